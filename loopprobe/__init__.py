@@ -1,0 +1,15 @@
+"""loopprobe: visit-resolved diagnostics for looped (weight-tied, depth-recurrent) Transformers.
+
+One import path: ``import loopprobe as lp``.
+"""
+
+__version__ = "0.1.0"
+
+from loopprobe.linalg import Estimate, operator_norm, operator_norm_lanczos
+
+__all__ = [
+    "__version__",
+    "Estimate",
+    "operator_norm",
+    "operator_norm_lanczos",
+]
