@@ -6,11 +6,13 @@ One import path: ``import loopprobe as lp``.
 __version__ = "0.1.0"
 
 from loopprobe import tasks, theory
+from loopprobe import models
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_lanczos
 
 __all__ = [
     "__version__",
     "Estimate",
+    "models",
     "operator_norm",
     "operator_norm_lanczos",
     "tasks",

@@ -1,0 +1,18 @@
+"""Small, readable reference looped models (see docs/models-api.md)."""
+
+from loopprobe.models.gpt import GPTConfig, LoopedGPT
+from loopprobe.models.hierarchical import HierarchicalLoop, HRMConfig
+from loopprobe.models.layers import Block, Branch, RMSNorm
+from loopprobe.models.linear import LinearLoop, LinearLoopConfig
+
+__all__ = [
+    "Block",
+    "Branch",
+    "GPTConfig",
+    "HRMConfig",
+    "HierarchicalLoop",
+    "LinearLoop",
+    "LinearLoopConfig",
+    "LoopedGPT",
+    "RMSNorm",
+]
