@@ -95,7 +95,7 @@ class GPTConfig:
                 raise ValueError(f"{c}.grad_rounds={self.grad_rounds} exceeds R={self.R}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{c}.dropout={self.dropout!r} must lie in [0, 1)")
-        self.scales  # validates N and p through the theory
+        _ = self.scales  # validates N and p through the theory
 
     @property
     def scales(self) -> theory.Scales:
@@ -198,7 +198,7 @@ class LoopedGPT(nn.Module):
         return x
 
     def step(self, h: torch.Tensor, x: torch.Tensor, r: int = 0) -> torch.Tensor:
-        """One round T(h; x): recall, the K blocks of round ``r``, outer norm. (B,T,D) -> (B,T,D)."""
+        """One round T(h; x): recall, the K blocks of round ``r``, outer norm; shape (B, T, D)."""
         recall = self.cfg.recall
         if recall == "add":
             h = h + x

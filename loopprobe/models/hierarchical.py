@@ -48,7 +48,7 @@ class HRMConfig:
                 f"{c}.d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
             )
         _choice(c, "norm", self.norm, NORMS)
-        self.scales  # validates p through the theory
+        _ = self.scales  # validates p through the theory
 
     @property
     def M(self) -> int:
