@@ -5,8 +5,7 @@ One import path: ``import loopprobe as lp``.
 
 __version__ = "0.1.0"
 
-from loopprobe import tasks, theory
-from loopprobe import models
+from loopprobe import models, tasks, theory
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_lanczos
 
 __all__ = [
