@@ -7,13 +7,16 @@ __version__ = "0.1.0"
 
 from loopprobe import models, tasks, theory
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_lanczos
+from loopprobe.sweeps import grid, sweep
 
 __all__ = [
     "__version__",
     "Estimate",
+    "grid",
     "models",
     "operator_norm",
     "operator_norm_lanczos",
+    "sweep",
     "tasks",
     "theory",
 ]

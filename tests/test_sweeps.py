@@ -1,0 +1,218 @@
+"""Tests for loopprobe.sweeps: tidy frames, on-disk cache, resume, divergence as data."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import pandas as pd
+import pytest
+
+import loopprobe as lp
+from loopprobe.sweeps import cell_key
+
+
+class Counter:
+    """A diagnostic that counts its calls: y = a * R, optionally failing on one config."""
+
+    version = 1
+
+    def __init__(self, fail_on=None, nan_on=None, interrupt_after=None):
+        self.calls = 0
+        self.fail_on, self.nan_on, self.interrupt_after = fail_on, nan_on, interrupt_after
+
+    def __call__(self, cfg):
+        if self.interrupt_after is not None and self.calls >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.calls += 1
+        if cfg.get("R") == self.fail_on:
+            raise RuntimeError("loss exploded")
+        y = math.nan if cfg.get("R") == self.nan_on else cfg["a"] * cfg["R"]
+        return {"y": y}
+
+
+def test_grid_is_the_cartesian_product_with_the_last_axis_fastest():
+    g = lp.grid(a=[1, 2], R=[1, 2, 4])
+    assert len(g) == 6
+    assert g[0] == {"a": 1, "R": 1} and g[1] == {"a": 1, "R": 2} and g[3] == {"a": 2, "R": 1}
+
+
+def test_grid_rejects_a_scalar_axis_and_says_how_to_write_it():
+    with pytest.raises(TypeError, match=r"grid: axis R=4 .* write R=\[4\]"):
+        lp.grid(R=4)
+
+
+def test_sweep_returns_one_tidy_row_per_config_with_config_columns_first():
+    df = lp.sweep(lp.grid(a=[1, 2], R=[1, 2]), Counter(), progress=False)
+    assert list(df.columns) == ["a", "R", "y", "diverged", "error"]
+    assert df["y"].tolist() == [1, 2, 2, 4]
+    assert df["diverged"].dtype == bool and not df["diverged"].any()
+
+
+def test_a_dataframe_result_becomes_several_rows_per_config():
+    def per_visit(cfg):
+        return pd.DataFrame({"visit": range(cfg["R"]), "norm": [1.0] * cfg["R"]})
+
+    df = lp.sweep(lp.grid(R=[1, 3]), per_visit, progress=False)
+    assert len(df) == 4
+    assert df.groupby("R").size().to_dict() == {1: 1, 3: 3}
+
+
+def test_second_run_reads_the_cache_and_does_not_call_the_diagnostic(tmp_path):
+    diag = Counter()
+    first = lp.sweep(lp.grid(a=[1, 2], R=[1, 2, 4]), diag, cache_dir=tmp_path, progress=False)
+    assert diag.calls == 6
+    again = Counter()
+    second = lp.sweep(lp.grid(a=[1, 2], R=[1, 2, 4]), again, cache_dir=tmp_path, progress=False)
+    assert again.calls == 0
+    pd.testing.assert_frame_equal(first, second)
+    assert len(list(tmp_path.glob("*.pkl"))) == 6
+
+
+def test_cache_key_ignores_dict_order_but_not_values_or_version():
+    assert cell_key({"a": 1, "R": 2}, "d") == cell_key({"R": 2, "a": 1}, "d")
+    assert cell_key({"a": 1, "R": 2}, "d") != cell_key({"a": 1, "R": 4}, "d")
+    assert cell_key({"a": 1}, "d", version=1) != cell_key({"a": 1}, "d", version=2)
+    assert len(cell_key({"a": 1}, "d")) == 20
+
+
+def test_bumping_the_version_recomputes(tmp_path):
+    diag = Counter()
+    lp.sweep(lp.grid(a=[1], R=[1, 2]), diag, cache_dir=tmp_path, progress=False)
+    lp.sweep(lp.grid(a=[1], R=[1, 2]), diag, cache_dir=tmp_path, progress=False, version=2)
+    assert diag.calls == 4
+
+
+def test_an_interrupted_sweep_resumes_with_only_the_unfinished_cells(tmp_path):
+    cells = lp.grid(a=[1, 2], R=[1, 2, 4])
+    broken = Counter(interrupt_after=4)
+    with pytest.raises(KeyboardInterrupt):
+        lp.sweep(cells, broken, cache_dir=tmp_path, progress=False, name="c")
+    assert broken.calls == 4
+    assert len(list(tmp_path.glob("*.pkl"))) == 4
+    resumed = Counter()
+    df = lp.sweep(cells, resumed, cache_dir=tmp_path, progress=False, name="c")
+    assert resumed.calls == 2
+    assert df["y"].tolist() == [1, 2, 4, 2, 4, 8]
+
+
+def test_a_half_written_cache_file_is_recomputed(tmp_path):
+    diag = Counter()
+    lp.sweep(lp.grid(a=[1], R=[1]), diag, cache_dir=tmp_path, progress=False, name="c")
+    (path,) = tmp_path.glob("*.pkl")
+    path.write_bytes(path.read_bytes()[:10])
+    df = lp.sweep(lp.grid(a=[1], R=[1]), diag, cache_dir=tmp_path, progress=False, name="c")
+    assert diag.calls == 2 and df["y"].tolist() == [1]
+
+
+def test_a_nan_result_is_a_diverged_row_and_the_sweep_goes_on():
+    df = lp.sweep(lp.grid(a=[1], R=[1, 2, 4]), Counter(nan_on=2), progress=False)
+    assert df["diverged"].tolist() == [False, True, False]
+    assert df.loc[1, "error"] == "non-finite values in y"
+    assert df.loc[2, "y"] == 4
+
+
+def test_a_raising_diagnostic_is_a_diverged_row_with_the_error_text(tmp_path):
+    diag = Counter(fail_on=2)
+    df = lp.sweep(lp.grid(a=[1], R=[1, 2, 4]), diag, cache_dir=tmp_path, progress=False)
+    assert df["diverged"].tolist() == [False, True, False]
+    assert df.loc[1, "error"] == "RuntimeError: loss exploded"
+    assert math.isnan(df.loc[1, "y"])
+    # failed cells are cached (re-plotting never recomputes) unless retry_failed=True
+    lp.sweep(lp.grid(a=[1], R=[1, 2, 4]), diag, cache_dir=tmp_path, progress=False)
+    assert diag.calls == 3
+    lp.sweep(
+        lp.grid(a=[1], R=[1, 2, 4]), diag, cache_dir=tmp_path, progress=False, retry_failed=True
+    )
+    assert diag.calls == 4
+
+
+def test_a_diagnostic_may_report_its_own_divergence():
+    df = lp.sweep(lp.grid(R=[1]), lambda c: {"y": math.nan, "diverged": False}, progress=False)
+    assert df["diverged"].tolist() == [False]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    R: int
+    norm: str = "deeploop"
+    sizes: tuple = (1, 2)
+
+
+def test_dataclass_configs_give_their_scalar_fields_as_columns(tmp_path):
+    seen = []
+    df = lp.sweep(
+        [Cfg(R=1), Cfg(R=2)],
+        lambda c: seen.append(c) or {"R2": c.R**2},
+        cache_dir=tmp_path,
+        progress=False,
+        name="sq",
+    )
+    assert list(df.columns) == ["R", "norm", "R2", "diverged", "error"]
+    assert seen == [Cfg(R=1), Cfg(R=2)]
+    assert cell_key(Cfg(R=1), "d") != cell_key({"R": 1, "norm": "deeploop"}, "d")
+
+
+def test_name_factory_pairs_pass_the_built_object_and_key_by_name(tmp_path):
+    built = []
+
+    def factory():
+        built.append(1)
+        return [1.0, 2.0, 3.0]
+
+    df = lp.sweep(
+        [("three", factory)],
+        lambda xs: {"n": len(xs)},
+        cache_dir=tmp_path,
+        progress=False,
+        name="len",
+    )
+    assert df.to_dict("records") == [{"config": "three", "n": 3, "diverged": False, "error": None}]
+    lp.sweep(
+        [("three", factory)],
+        lambda xs: {"n": len(xs)},
+        cache_dir=tmp_path,
+        progress=False,
+        name="len",
+    )
+    assert len(built) == 1
+
+
+def test_a_mapping_of_diagnostics_adds_a_diagnostic_column():
+    df = lp.sweep(
+        lp.grid(a=[1], R=[2]),
+        {"double": lambda c: {"y": 2 * c["R"]}, "square": lambda c: {"y": c["R"] ** 2}},
+        progress=False,
+    )
+    assert df[["diagnostic", "y"]].values.tolist() == [["double", 4], ["square", 4]]
+
+
+def test_partial_diagnostics_with_different_arguments_do_not_share_cache_cells(tmp_path):
+    def scaled(cfg, k):
+        return {"y": k * cfg["R"]}
+
+    a = lp.sweep(lp.grid(R=[1]), functools.partial(scaled, k=2), tmp_path, progress=False)
+    b = lp.sweep(lp.grid(R=[1]), functools.partial(scaled, k=3), tmp_path, progress=False)
+    assert (a["y"].item(), b["y"].item()) == (2, 3)
+
+
+def test_lambdas_cannot_key_a_cache_without_a_name(tmp_path):
+    with pytest.raises(ValueError, match="sweep: cannot key the cache by a lambda"):
+        lp.sweep(lp.grid(R=[1]), lambda c: {"y": 1}, cache_dir=tmp_path, progress=False)
+
+
+def test_bad_grid_items_and_bad_return_values_are_type_errors_naming_the_fix():
+    with pytest.raises(TypeError, match="sweep: each grid item must be a dict"):
+        lp.sweep([3], Counter(), progress=False)
+    with pytest.raises(TypeError, match="sweep: the diagnostic returned float"):
+        lp.sweep(lp.grid(R=[1]), lambda c: 1.0, progress=False)
+
+
+def test_an_unwritable_cache_dir_is_an_error_before_any_call(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    diag = Counter()
+    with pytest.raises(ValueError, match="sweep: cache_dir=.* is not a writable directory"):
+        lp.sweep(lp.grid(a=[1], R=[1]), diag, cache_dir=blocker / "sub", progress=False)
+    assert diag.calls == 0
