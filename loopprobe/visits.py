@@ -1,0 +1,667 @@
+"""Attach to any looped ``nn.Module``: physical sublayers, their visits, per-visit offsets.
+
+A *physical sublayer* ``j`` is a group of parameters ``phi_j`` that is reused; a *visit*
+``(r, j)`` is the r-th call (execution order, 0-based here) of a module that computes with
+``phi_j``. Nothing in the model's code changes: one real forward with hooks finds the
+sublayers and counts the visits, and every probe installs its hooks for one call only and
+removes them in ``finally``.
+
+Recording API (stable; other modules build on it)::
+
+    probe = lp.attach(model)                 # or sublayers=["blocks.*.attn"], exclude=[...]
+    probe.sublayers(inputs)                  # list[Sublayer] (discovered once, then cached)
+    probe.visits(inputs)                     # list[Visit]: who was called when, M and M_g
+    probe.visit_table(inputs)                # DataFrame, one row per sublayer; .attrs M, M_g
+    rec = probe.record(inputs)               # Recording: per-visit copies of inputs/outputs
+    rec.visits[i].args, .kwargs, .output     # detached clones taken at call time
+    with lp.attach(model) as probe: ...      # detaches on exit
+
+``inputs`` is what the model is called with: a tensor, or a tuple of positional arguments.
+``forward(model, inputs)`` replaces the call for anything else (e.g.
+``forward=lambda m, x: m.hidden(x)``); ``output(out)`` picks the tensor F from the result.
+
+Discovery (when neither ``sublayers=`` nor ``model.loopprobe_sublayers`` names them): every
+module that owns parameters is hooked for one forward; modules with the same parameter set
+(by identity, so ALBERT-style tying of different instances counts as one) form a group; a
+group is looped when it is called more than once and all its modules have one class (an
+embedding tied to an output head is weight tying, not a loop). The outermost looped groups
+are the sublayers. Parameter-free modules are never sublayers.
+
+Gradient-visible visits are measured: a visit whose offset gets no gradient (it ran under
+``torch.no_grad()``, or its output was detached before F) is forward-visible only.
+Reference: seed 002, Eq. 11-12 (visits), Eq. 17-18 (M and M_g).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+Forward = Callable[[nn.Module, Any], Any]
+Output = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """One physical sublayer: a parameter group and the module instance(s) that use it."""
+
+    name: str
+    index: int
+    modules: tuple[str, ...]
+    param_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class Visit:
+    """Visit ``r`` of sublayer ``j`` (global execution index ``i`` among all visits)."""
+
+    i: int
+    j: int
+    r: int
+    sublayer: str
+    module: str
+    grad_enabled: bool
+    grad_visible: bool | None = None
+
+
+@dataclass
+class VisitRecord:
+    """A visit with detached copies of its call arguments and of its output."""
+
+    visit: Visit
+    args: tuple
+    kwargs: dict
+    output: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "visit":
+            raise AttributeError(name)
+        return getattr(self.visit, name)
+
+
+@dataclass
+class Recording:
+    """All visits of one forward pass, in execution order, plus the model output."""
+
+    visits: list[VisitRecord]
+    output: Any
+    sublayers: list[Sublayer] = field(default_factory=list)
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = []
+        for v in self.visits:
+            out = v.output if isinstance(v.output, torch.Tensor) else None
+            rows.append(
+                {
+                    "i": v.i,
+                    "sublayer": v.sublayer,
+                    "j": v.j,
+                    "r": v.r,
+                    "module": v.module,
+                    "grad_enabled": v.grad_enabled,
+                    "output_norm": float(out.norm()) if out is not None else float("nan"),
+                }
+            )
+        return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) -> Any:
+    """``forward(model, inputs)`` if given, else ``model(*inputs)`` / ``model(inputs)``."""
+    if forward is not None:
+        return forward(model, inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def pick_output(out: Any, output: Output | None = None, *, call: str = "probe") -> torch.Tensor:
+    """The tensor F: ``output(out)`` if given, else ``out`` itself when it is a tensor."""
+    F = output(out) if output is not None else out
+    if not isinstance(F, torch.Tensor):
+        raise TypeError(
+            f"{call}: the model output is a {type(F).__name__}, not a tensor; pass "
+            "output=lambda out: out[...] (or forward=) to pick the tensor F"
+        )
+    return F
+
+
+def copy_tree(x: Any) -> Any:
+    """Detached clones of every tensor in nested tuples/lists/dicts (other leaves as is)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, tuple):
+        return tuple(copy_tree(v) for v in x)
+    if isinstance(x, list):
+        return [copy_tree(v) for v in x]
+    if isinstance(x, dict):
+        return {k: copy_tree(v) for k, v in x.items()}
+    return x
+
+
+def _match(pattern: str, name: str) -> bool:
+    """Dotted glob: ``*`` is one path segment, ``**`` any number of segments."""
+    pat, parts = pattern.split("."), name.split(".")
+
+    def rec(a: int, b: int) -> bool:
+        if a == len(pat):
+            return b == len(parts)
+        if pat[a] == "**":
+            return any(rec(a + 1, c) for c in range(b, len(parts) + 1))
+        return b < len(parts) and fnmatch.fnmatchcase(parts[b], pat[a]) and rec(a + 1, b + 1)
+
+    return rec(0, 0)
+
+
+def _is_glob(pattern: str) -> bool:
+    return bool(re.search(r"[*?\[]", pattern))
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+class Probe:
+    """Visit-resolved view of a model; create it with :func:`attach`.
+
+    The probe holds no hooks between calls: each method installs its hooks for one
+    forward pass and removes them in ``finally``. Parameters, buffers, ``.grad``, and
+    train/eval mode are left exactly as they were.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sublayers: Sequence[str] | None = None,
+        exclude: Sequence[str] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"attach: expected an nn.Module, got {type(model).__name__}")
+        if isinstance(sublayers, str) or isinstance(exclude, str):
+            raise TypeError("attach: sublayers= and exclude= take lists of names, not one string")
+        self.model = model
+        self._requested = list(sublayers) if sublayers is not None else None
+        self._exclude = list(exclude or [])
+        self._groups: list[_Group] | None = None
+        self._closed = False
+        self._last_outside: list[tuple[int, str]] = []
+        self._pnames = _param_names(model)
+
+    # -- context manager ---------------------------------------------------------
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def detach(self) -> None:
+        """Forget the model. Hooks never outlive a call, so there is nothing to remove."""
+        self._closed = True
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise ValueError(f"{call}: this probe was detached; call lp.attach(model) again")
+
+    # -- discovery ---------------------------------------------------------------
+    def sublayers(self, inputs: Any = None, *, forward: Forward | None = None) -> list[Sublayer]:
+        """The physical sublayers (discovered from one forward on ``inputs`` the first time)."""
+        return [g.sublayer for g in self._ensure_groups(inputs, forward, "Probe.sublayers")]
+
+    def _ensure_groups(self, inputs: Any, forward: Forward | None, call: str) -> list[_Group]:
+        self._check_open(call)
+        if self._groups is None:
+            names = self._requested
+            if names is None:
+                names = getattr(self.model, "loopprobe_sublayers", None)
+            if names is not None:
+                groups = self._groups_from_names(list(names), call)
+            else:
+                if inputs is None:
+                    raise ValueError(f"{call}: discovering sublayers needs inputs; pass inputs")
+                groups = self._discover(inputs, forward, call)
+            groups = self._apply_exclude(groups, call)
+            self._groups = [g.renumbered(j) for j, g in enumerate(groups)]
+        return self._groups
+
+    def _groups_from_names(self, names: list[str], call: str) -> list[_Group]:
+        all_modules = dict(self.model.named_modules())
+        picked: list[str] = []
+        for pat in names:
+            hits = [n for n in all_modules if _match(pat, n)]
+            if not _is_glob(pat) and pat not in all_modules:
+                raise ValueError(
+                    f"{call}: sublayer {pat!r} is not a module of {type(self.model).__name__}; "
+                    f"module names look like {list(all_modules)[1:6]}"
+                )
+            hits = [n for n in hits if any(True for _ in all_modules[n].parameters())]
+            if not hits and not _is_glob(pat):
+                raise ValueError(
+                    f"{call}: sublayer {pat!r} owns no parameters; name modules that own the "
+                    "reused parameters"
+                )
+            if not hits:
+                raise ValueError(f"{call}: pattern {pat!r} matches no module with parameters")
+            picked += [n for n in hits if n not in picked]
+        by_params: dict[frozenset, list[str]] = {}
+        for n in picked:
+            by_params.setdefault(_pset(all_modules[n]), []).append(n)
+        keys = list(by_params)
+        for a in range(len(keys)):
+            for b in range(a + 1, len(keys)):
+                if keys[a] & keys[b]:
+                    raise ValueError(
+                        f"{call}: sublayers {by_params[keys[a]][0]!r} and "
+                        f"{by_params[keys[b]][0]!r} share some but not all parameters; name "
+                        "disjoint modules (e.g. blocks.0.attn and blocks.0.mlp, not blocks.0 too)"
+                    )
+        return [self._make_group(by_params[k], all_modules) for k in keys]
+
+    def _discover(self, inputs: Any, forward: Forward | None, call: str) -> list[_Group]:
+        all_modules = dict(self.model.named_modules())
+        owners = {n: m for n, m in all_modules.items() if any(True for _ in m.parameters())}
+        calls: list[tuple[str, int]] = []  # (module name, parent call index)
+        stack: list[int] = []
+        handles = []
+
+        def pre(name: str) -> Callable:
+            def hook(module: nn.Module, args: Any) -> None:
+                calls.append((name, stack[-1] if stack else -1))
+                stack.append(len(calls) - 1)
+
+            return hook
+
+        def post(module: nn.Module, args: Any, out: Any) -> None:
+            if stack:
+                stack.pop()
+
+        with _restored(self.model):
+            try:
+                for n, m in owners.items():
+                    handles.append(m.register_forward_pre_hook(pre(n)))
+                    handles.append(m.register_forward_hook(post, always_call=True))
+                with torch.no_grad():
+                    call_model(self.model, inputs, forward)
+            finally:
+                for h in handles:
+                    h.remove()
+        psets = {n: _pset(m) for n, m in owners.items()}
+        units = _looped_units(calls, psets, {n: type(m) for n, m in owners.items()})
+        if not units:
+            called = [n for n in owners if any(c == n for c, _ in calls)]
+            raise ValueError(
+                f"{call}: nothing is looped in {type(self.model).__name__}: no module that owns "
+                f"parameters was called more than once in one forward (called once: "
+                f"{called[:8]}). Name the reused sublayers by hand, e.g. "
+                "lp.attach(model, sublayers=['blocks.*.attn', 'blocks.*.mlp']); parameters used "
+                "without a module call (F.linear(x, self.w) in a loop) need an nn.Module wrapper"
+            )
+        return [self._make_group(names, all_modules) for names in units]
+
+    def _make_group(self, names: list[str], all_modules: dict[str, nn.Module]) -> _Group:
+        rep = all_modules[names[0]]
+        params = [p for _, p in rep.named_parameters()]
+        index = {id(p): k for k, p in enumerate(params)}
+        places = []
+        for n in names:
+            locs = []
+            for owner in all_modules[n].modules():
+                for pname, p in owner._parameters.items():
+                    if p is not None and id(p) in index:
+                        locs.append((owner, pname, index[id(p)]))
+            places.append(locs)
+        sub = Sublayer(
+            name=names[0],
+            index=0,
+            modules=tuple(names),
+            param_names=tuple(self._pnames[id(p)] for p in params),
+            shapes=tuple(tuple(p.shape) for p in params),
+            numel=sum(p.numel() for p in params),
+        )
+        return _Group(sub, params, [all_modules[n] for n in names], places)
+
+    def _apply_exclude(self, groups: list[_Group], call: str) -> list[_Group]:
+        for pat in self._exclude:
+            if not any(_match(pat, n) for g in groups for n in g.sublayer.modules):
+                raise ValueError(
+                    f"{call}: exclude pattern {pat!r} matches no sublayer; sublayers are "
+                    f"{[g.sublayer.name for g in groups]}"
+                )
+        kept = [
+            g
+            for g in groups
+            if not any(_match(p, n) for p in self._exclude for n in g.sublayer.modules)
+        ]
+        if not kept:
+            raise ValueError(f"{call}: exclude={self._exclude} removed every sublayer")
+        return kept
+
+    # -- sessions ----------------------------------------------------------------
+    @contextmanager
+    def session(
+        self,
+        enter: Callable[[Visit, nn.Module, tuple, dict], Sequence[torch.Tensor] | None]
+        | None = None,
+        leave: Callable[[Visit, tuple, dict, Any], None] | None = None,
+        *,
+        call: str = "probe",
+    ) -> Iterator[Trace]:
+        """Hooks on every sublayer module for the duration of the ``with`` block.
+
+        At each visit ``enter(visit, module, args, kwargs)`` may return one tensor per
+        sublayer parameter; the module then computes with those tensors in place of its
+        parameters for this call only (as ``torch.func.functional_call`` does) and gets its
+        own parameters back when the call returns or raises. ``leave(visit, args, kwargs,
+        output)`` sees the output. Yields a :class:`Trace` filled in as the forward runs.
+        Model state (parameters, buffers, train/eval mode) is restored on exit.
+        """
+        groups = self._ensure_groups(None, None, call)
+        trace = Trace([], [])
+        counts = [0] * len(groups)
+        inside = [0] * len(groups)
+        active: dict[int, list[tuple[Visit, list]]] = {}
+        handles = []
+
+        def pre_hook(j: int, g: _Group, slot: int) -> Callable:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                v = Visit(
+                    i=len(trace.visits),
+                    j=j,
+                    r=counts[j],
+                    sublayer=g.sublayer.name,
+                    module=g.sublayer.modules[slot],
+                    grad_enabled=torch.is_grad_enabled(),
+                )
+                counts[j] += 1
+                inside[j] += 1
+                trace.visits.append(v)
+                saved: list = []
+                new = enter(v, module, args, kwargs) if enter is not None else None
+                if new is not None:
+                    for owner, pname, k in g.places[slot]:
+                        saved.append((owner, pname, owner._parameters[pname]))
+                        owner._parameters[pname] = new[k]
+                active.setdefault(id(module), []).append((v, saved))
+
+            return hook
+
+        def post_hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            stack = active.get(id(module))
+            if not stack:
+                return
+            v, saved = stack.pop()
+            inside[v.j] -= 1
+            for owner, pname, p in reversed(saved):
+                owner._parameters[pname] = p
+            if leave is not None:
+                leave(v, args, kwargs, out)
+
+        def owner_hook(j: int, name: str) -> Callable:
+            def hook(module: nn.Module, args: tuple) -> None:
+                if inside[j] == 0:
+                    trace.outside.append((j, name))
+
+            return hook
+
+        names = {id(m): n for n, m in self.model.named_modules()}
+        with _restored(self.model):
+            try:
+                for j, g in enumerate(groups):
+                    for slot, m in enumerate(g.modules):
+                        handles.append(
+                            m.register_forward_pre_hook(pre_hook(j, g, slot), with_kwargs=True)
+                        )
+                        handles.append(
+                            m.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+                        )
+                    for owner in g.owners(self.model):
+                        hook = owner_hook(j, names.get(id(owner), "?"))
+                        handles.append(owner.register_forward_pre_hook(hook))
+                yield trace
+            finally:
+                for h in handles:
+                    h.remove()
+                for stack in active.values():
+                    for _, saved in reversed(stack):
+                        for owner, pname, p in reversed(saved):
+                            owner._parameters[pname] = p
+
+    def groups(self, inputs: Any = None, forward: Forward | None = None) -> list[_Group]:
+        """Sublayers with their live parameter tensors (for the estimators)."""
+        return self._ensure_groups(inputs, forward, "Probe.groups")
+
+    # -- public measurements -----------------------------------------------------
+    def visits(
+        self, inputs: Any, *, forward: Forward | None = None, output: Output | None = None
+    ) -> list[Visit]:
+        """All visits of one forward on ``inputs``, with ``grad_visible`` measured.
+
+        A visit is gradient-visible when its offset ``delta_{r,j}`` reaches F through the
+        autograd graph (one backward; the model's ``.grad`` is not touched).
+        """
+        groups = self._ensure_groups(inputs, forward, "Probe.visits")
+        leaves: list[list[torch.Tensor]] = []
+
+        def enter(v: Visit, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+            new = [p.detach().requires_grad_(True) for p in groups[v.j].params]
+            leaves.append(new)
+            return new
+
+        with torch.enable_grad(), self.session(enter, call="Probe.visits") as trace:
+            F = pick_output(call_model(self.model, inputs, forward), output, call="Probe.visits")
+            flat = [t for ts in leaves for t in ts]
+            seen = [False] * len(leaves)
+            if F.requires_grad and flat:
+                grads = torch.autograd.grad(
+                    F, flat, grad_outputs=torch.ones_like(F), allow_unused=True
+                )
+                n = 0
+                for a, ts in enumerate(leaves):
+                    seen[a] = any(gr is not None for gr in grads[n : n + len(ts)])
+                    n += len(ts)
+        self._last_outside = trace.outside
+        return [_replace(v, grad_visible=s) for v, s in zip(trace.visits, seen, strict=True)]
+
+    def visit_table(
+        self, inputs: Any, *, forward: Forward | None = None, output: Output | None = None
+    ) -> pd.DataFrame:
+        """One row per physical sublayer: parameters, visits R_j, gradient-visible visits.
+
+        ``df.attrs`` holds the totals ``M`` (forward-visible visits) and ``M_g``
+        (gradient-visible visits), both measured. Reference: seed 002, Eq. 17-18.
+        """
+        visits = self.visits(inputs, forward=forward, output=output)
+        rows = []
+        for g in self.groups():
+            s = g.sublayer
+            mine = [v for v in visits if v.j == s.index]
+            rows.append(
+                {
+                    "sublayer": s.name,
+                    "j": s.index,
+                    "modules": ",".join(s.modules),
+                    "parameters": s.numel,
+                    "tensors": len(s.param_names),
+                    "visits": len(mine),
+                    "grad_visible": sum(bool(v.grad_visible) for v in mine),
+                    "no_grad_visits": sum(not v.grad_enabled for v in mine),
+                    "outside_calls": sum(j == s.index for j, _ in self._last_outside),
+                }
+            )
+        df = pd.DataFrame(rows)
+        df.attrs["M"] = len(visits)
+        df.attrs["M_g"] = sum(bool(v.grad_visible) for v in visits)
+        return df
+
+    def record(
+        self, inputs: Any, *, forward: Forward | None = None, copy: bool = True
+    ) -> Recording:
+        """Run one forward and keep, for every visit, copies of its inputs and its output.
+
+        Copies are detached clones taken when the call returns (outputs may be modified in
+        place afterwards); ``copy=False`` keeps references instead. The record of visit i
+        is ``rec.visits[i]`` with ``sublayer``, ``j``, ``r``, ``module``, ``grad_enabled``,
+        ``args``, ``kwargs`` and ``output``.
+        """
+        self._ensure_groups(inputs, forward, "Probe.record")
+        records: list[VisitRecord] = []
+        keep = copy_tree if copy else (lambda x: x)
+
+        def leave(v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
+            records.append(VisitRecord(v, keep(args), keep(kwargs), keep(out)))
+
+        with self.session(None, leave, call="Probe.record"):
+            out = call_model(self.model, inputs, forward)
+        records.sort(key=lambda rec: rec.visit.i)
+        return Recording(records, keep(out), self.sublayers())
+
+
+@dataclass
+class Trace:
+    """What a :meth:`Probe.session` saw: the visits, and calls of modules owning a
+    sublayer's parameters outside any visit of it (uses the per-visit offsets miss)."""
+
+    visits: list[Visit]
+    outside: list[tuple[int, str]]
+
+
+@dataclass
+class _Group:
+    sublayer: Sublayer
+    params: list[torch.Tensor]
+    modules: list[nn.Module]
+    places: list[list[tuple[nn.Module, str, int]]]
+
+    def owners(self, model: nn.Module) -> list[nn.Module]:
+        """Every module in ``model`` that directly holds one of this group's parameters."""
+        ids = {id(p) for p in self.params}
+        return [
+            m
+            for m in model.modules()
+            if any(p is not None and id(p) in ids for p in m._parameters.values())
+        ]
+
+    def renumbered(self, j: int) -> _Group:
+        return _Group(_replace(self.sublayer, index=j), self.params, self.modules, self.places)
+
+
+def attach(
+    model: nn.Module,
+    sublayers: Sequence[str] | None = None,
+    *,
+    exclude: Sequence[str] | None = None,
+) -> Probe:
+    """Attach a :class:`Probe` to ``model`` without changing its code.
+
+    ``sublayers``: module names or dotted globs (``"blocks.*.attn"``; ``*`` is one path
+    segment, ``**`` several). Modules that hold the same parameter objects are one physical
+    sublayer. Default: ``model.loopprobe_sublayers`` if present, else discovery from the
+    first forward (see the module docstring). ``exclude``: patterns removed from the list.
+
+    Example::
+
+        with lp.attach(model) as probe:
+            print(probe.visit_table(idx))
+    """
+    return Probe(model, sublayers, exclude)
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _replace(obj: Any, **changes: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(obj, **changes)
+
+
+def _looped_units(
+    calls: list[tuple[str, int]], psets: dict[str, frozenset], types: dict[str, type]
+) -> list[list[str]]:
+    """The outermost looped parameter groups, as lists of module names, in call order.
+
+    ``calls`` is the pre-order call log ``(module name, parent call)``. Modules with equal
+    parameter sets form a group. A group's *visits* are its calls that contain no other
+    call of the group; each visit is named by the outermost enclosing call of the same
+    group that contains only this visit (a block wrapping its only Linear is one visit,
+    the model wrapping R of them is not). A group is looped when it has more than one
+    visit and those modules share one class (tied embedding/head is not a loop).
+    """
+    key = [psets[n] for n, _ in calls]
+    leaves_under = [0] * len(calls)
+    has_child = [False] * len(calls)
+    for c in range(len(calls)):
+        a = calls[c][1]
+        while a >= 0:
+            if key[a] == key[c]:
+                has_child[a] = True
+            a = calls[a][1]
+    for c in range(len(calls)):
+        if has_child[c]:
+            continue
+        a = c
+        while a >= 0:
+            if key[a] == key[c]:
+                leaves_under[a] += 1
+            a = calls[a][1]
+    tops: dict[frozenset, list[int]] = {}
+    for c in range(len(calls)):
+        if has_child[c]:
+            continue
+        top = c
+        while True:
+            parent = calls[top][1]
+            if parent < 0 or key[parent] != key[c] or leaves_under[parent] != 1:
+                break
+            top = parent
+        tops.setdefault(key[c], []).append(top)
+
+    def depth(c: int) -> int:
+        d = 0
+        while calls[c][1] >= 0:
+            c, d = calls[c][1], d + 1
+        return d
+
+    looped = [
+        k for k, cs in tops.items() if len(cs) > 1 and len({types[calls[c][0]] for c in cs}) == 1
+    ]
+    chosen: list[frozenset] = []
+    for k in sorted(looped, key=lambda k: (depth(tops[k][0]), tops[k][0])):
+        if not any(k & c for c in chosen):
+            chosen.append(k)
+    chosen.sort(key=lambda k: tops[k][0])
+    return [list(dict.fromkeys(calls[c][0] for c in tops[k])) for k in chosen]
+
+
+def _pset(module: nn.Module) -> frozenset:
+    return frozenset(id(p) for p in module.parameters())
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+@contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Put back train/eval flags and buffer values (e.g. BatchNorm running stats)."""
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
