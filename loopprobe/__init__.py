@@ -8,10 +8,17 @@ __version__ = "0.1.0"
 from loopprobe import models, tasks, theory
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_lanczos
 from loopprobe.sweeps import grid, sweep
+from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, attach
 
 __all__ = [
     "__version__",
     "Estimate",
+    "Probe",
+    "Recording",
+    "Sublayer",
+    "Visit",
+    "VisitRecord",
+    "attach",
     "grid",
     "models",
     "operator_norm",
