@@ -6,6 +6,20 @@ One import path: ``import loopprobe as lp``.
 __version__ = "0.1.0"
 
 from loopprobe import models, plots, tasks, theory
+from loopprobe.fixedpoint import (
+    FixedPoint,
+    InputDependence,
+    RoundMap,
+    RoundResiduals,
+    SpectralRadius,
+    fixed_point,
+    input_dependence,
+    jacobian_norm,
+    observed_rate,
+    round_map,
+    round_residuals,
+    spectral_radius,
+)
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_lanczos
 from loopprobe.sweeps import grid, sweep
 from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, attach
@@ -13,6 +27,18 @@ from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, att
 __all__ = [
     "__version__",
     "Estimate",
+    "FixedPoint",
+    "InputDependence",
+    "RoundMap",
+    "RoundResiduals",
+    "SpectralRadius",
+    "fixed_point",
+    "input_dependence",
+    "jacobian_norm",
+    "observed_rate",
+    "round_map",
+    "round_residuals",
+    "spectral_radius",
     "Probe",
     "Recording",
     "Sublayer",

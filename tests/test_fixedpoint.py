@@ -1,0 +1,293 @@
+"""Fixed points: reachability, spectral radius, Jacobian norm, input-dependence (DESIGN.md §4).
+
+Oracles: closed forms of linear loops (LinearLoop and plain matrices), dense ``jacrev``
+Jacobians with ``eigvals``/SVD at d <= 32, float64 finite differences; failure modes:
+the rotation, NaN, divergence, shape changes.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import loopprobe as lp
+from loopprobe.models import GPTConfig, LinearLoop, LinearLoopConfig, LoopedGPT
+
+f64 = torch.float64
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def tanh_round(d: int, seed: int, gain: float = 0.9):
+    """T(h; x) = tanh(W h + U x + b), a contraction for gain < 1."""
+    g = gen(seed)
+    W = gain * torch.randn(d, d, generator=g, dtype=f64) / d**0.5
+    U = torch.randn(d, d, generator=g, dtype=f64) / d**0.5
+    b = 0.5 * torch.randn(d, generator=g, dtype=f64)
+    x = torch.randn(d, generator=g, dtype=f64)
+    return (lambda h, x: torch.tanh(W @ h + U @ x + b)), x
+
+
+def rotation(n: int, rho: float) -> torch.Tensor:
+    """Block-diagonal rho * rotations with distinct angles: every |eigenvalue| = rho."""
+    A = torch.zeros(n, n, dtype=f64)
+    for i, a in enumerate(torch.linspace(0.1, 3.0, n // 2, dtype=f64)):
+        c, s = math.cos(a), math.sin(a)
+        A[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = rho * torch.tensor([[c, -s], [s, c]], dtype=f64)
+    return A
+
+
+def dense_jacobian(T, h: torch.Tensor) -> torch.Tensor:
+    return torch.func.jacrev(T)(h).reshape(h.numel(), h.numel()).detach()
+
+
+def linear_loop(d: int = 8, seed: int = 0) -> LinearLoop:
+    cfg = LinearLoopConfig(d=d, R=4, spectrum=tuple(-np.linspace(0.4, 3.6, d)), recall=True)
+    return LinearLoop(cfg, generator=gen(seed)).double()
+
+
+# ------------------------------------------------------------------------- reachability
+
+
+def test_picard_reaches_the_closed_form_fixed_point_of_a_linear_loop():
+    model = linear_loop()
+    A = model.transition_matrix()
+    x = torch.randn(3, 8, generator=gen(1), dtype=f64)
+    fp = lp.fixed_point(model.step, x, x=x, tol=1e-13, max_iter=500)
+    h_star = torch.linalg.solve(torch.eye(8, dtype=f64) - A, model.U.weight.detach() @ x.T).T
+    assert fp.converged and fp.method == "picard"
+    torch.testing.assert_close(fp.h, h_star, rtol=1e-11, atol=1e-11)
+    rho = torch.linalg.eigvals(A).abs().max().item()  # 0.9: eigenvalues 1 + eps * spectrum
+    assert fp.rate == pytest.approx(rho, rel=1e-3)
+
+
+def test_residual_trace_is_relative_step_length():
+    T, x = tanh_round(6, 0)
+    h0 = torch.ones(6, dtype=f64)
+    fp = lp.fixed_point(T, h0, x=x, max_iter=3, tol=1e-300)
+    h1 = T(h0, x)
+    assert len(fp.residuals) == 4 and fp.iterations == 3
+    assert fp.residuals[0] == pytest.approx(((h1 - h0).norm() / h0.norm()).item(), rel=1e-14)
+    assert fp.residuals[1] == pytest.approx(((T(h1, x) - h1).norm() / h1.norm()).item(), rel=1e-14)
+    assert list(fp.to_frame().columns) == ["iteration", "residual"] and len(fp.to_frame()) == 4
+
+
+def test_anderson_reaches_the_same_point_in_fewer_rounds():
+    T, x = tanh_round(16, 3, gain=1.0)
+    h0 = torch.zeros(16, dtype=f64)
+    picard = lp.fixed_point(T, h0, x=x, tol=1e-10, max_iter=2000)
+    anderson = lp.fixed_point(T, h0, x=x, tol=1e-10, method="anderson", memory=5)
+    assert picard.converged and anderson.converged
+    assert anderson.iterations < picard.iterations / 2
+    torch.testing.assert_close(anderson.h, picard.h, rtol=1e-8, atol=1e-8)
+
+
+def test_rotation_never_converges_and_says_it_is_not_contracting():
+    A = rotation(8, 1.0)
+    fp = lp.fixed_point(lambda h: A @ h, torch.ones(8, dtype=f64), max_iter=50)
+    assert not fp.converged
+    assert fp.rate == pytest.approx(1.0, abs=1e-9)
+    assert "max_iter=50" in fp.reason and "not contracting" in fp.reason
+
+
+def test_nan_and_divergence_come_back_unconverged_with_the_reason():
+    h0 = torch.ones(4, dtype=f64)
+    nan = lp.fixed_point(lambda h: h / 0 * 0, h0)
+    assert not nan.converged and "NaN/inf at iteration 0" in nan.reason
+    torch.testing.assert_close(nan.h, h0)
+    grow = lp.fixed_point(lambda h: 2 * h, h0)
+    assert not grow.converged and grow.reason.startswith("diverged")
+    assert grow.iterations == 26  # ||T(h_26)|| = 2^27 * 2 > 1e8 * ||h0|| = 2e8
+
+
+def test_a_step_that_changes_the_shape_is_a_value_error_naming_the_call():
+    with pytest.raises(ValueError, match=r"fixed_point: step changed the state from \(4,\)"):
+        lp.fixed_point(lambda h: torch.cat([h, h]), torch.ones(4))
+    with pytest.raises(ValueError, match="spectral_radius: step changed the state"):
+        lp.spectral_radius(lambda h: h[:2], torch.ones(4, dtype=f64))
+    with pytest.raises(ValueError, match="method='newton' is unknown"):
+        lp.fixed_point(lambda h: h, torch.ones(4), method="newton")
+    with pytest.raises(TypeError, match="fixed_point: the state must be a floating-point"):
+        lp.fixed_point(lambda h: h, torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="spectral_radius: k must be an integer >= 1"):
+        lp.spectral_radius(lambda h: h, torch.ones(4, dtype=f64), k=0)
+
+
+def test_round_residuals_measure_where_the_models_rounds_stop():
+    model = linear_loop()
+    x = torch.randn(2, 8, generator=gen(2), dtype=f64)
+    h_star = lp.fixed_point(model.step, x, x=x, tol=1e-13, max_iter=500).h
+    rr = lp.round_residuals(model.step, x, 4, x=x, h_star=h_star)
+    torch.testing.assert_close(rr.h, model(x).detach())
+    hR = model(x).detach()
+    assert rr.residual == pytest.approx(((model.step(hR, x) - hR).norm() / hR.norm()).item())
+    assert rr.distance == pytest.approx(((hR - h_star).norm() / h_star.norm()).item())
+    d = rr.to_frame()["distance"].to_numpy()
+    assert len(d) == 5 and np.all(np.diff(d) < 0)  # a contraction: every round gets closer
+
+
+def test_round_map_of_a_reference_model_restores_its_modes_and_parameters():
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=3, recall="add")
+    model = LoopedGPT(cfg, generator=gen(0)).double().train()
+    model.blocks[0].mlp.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rm = lp.round_map(model, torch.randint(0, 16, (1, 4), generator=gen(1)))
+    fp = lp.fixed_point(rm.T, rm.h0, max_iter=5)
+    lp.spectral_radius(rm.T, fp.h, k=2)
+    assert rm.rounds == 3 and rm.x.shape == (1, 4, 8)
+    assert model.training and not model.blocks[0].mlp.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(TypeError, match="round_map: Linear has no method 'step'"):
+        lp.round_map(torch.nn.Linear(2, 2), torch.zeros(1, 2))
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+@given(seed=st.integers(0, 10_000), d=st.integers(2, 16))
+@example(seed=0, d=2)  # too small for ARPACK: the full Arnoldi path
+@example(seed=1, d=8)  # k + 2 = 8: the smallest ARPACK case
+def test_spectral_radius_matches_eigvals_of_the_dense_jacobian(seed, d):
+    T, x = tanh_round(d, seed, gain=1.5)
+    h = torch.randn(d, generator=gen(seed + 1), dtype=f64)
+    sr = lp.spectral_radius(T, h, x=x, k=6)
+    dense = torch.linalg.eigvals(dense_jacobian(lambda h: T(h, x), h)).abs()
+    assert sr.converged, sr.reason
+    assert sr.value == pytest.approx(dense.max().item(), rel=1e-4)
+    top = np.sort(dense.numpy())[::-1][: len(sr.eigenvalues)]
+    np.testing.assert_allclose(np.abs(sr.eigenvalues), top, rtol=1e-4)
+
+
+def test_spectral_radius_of_a_transformer_round_matches_the_dense_jacobian():
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=4, recall="add",
+                    outer_norm=True)  # fmt: skip
+    model = LoopedGPT(cfg, generator=gen(0)).double()
+    rm = lp.round_map(model, torch.randint(0, 16, (1, 4), generator=gen(0)))
+    sr = lp.spectral_radius(rm.T, rm.h0, k=4)
+    dense = torch.linalg.eigvals(dense_jacobian(rm.T, rm.h0)).abs().max().item()
+    assert sr.converged and sr.value == pytest.approx(dense, rel=1e-4)
+
+
+def test_spectral_radius_of_a_linear_loop_is_the_top_eigenvalue_of_its_transition():
+    model = linear_loop(d=24)
+    x = torch.randn(24, dtype=f64, generator=gen(5))
+    sr = lp.spectral_radius(model.step, x, x=x, k=3)
+    closed = torch.linalg.eigvalsh(model.transition_matrix()).abs().max().item()
+    assert sr.converged and sr.value == pytest.approx(closed, rel=1e-10)
+
+
+@pytest.mark.parametrize("k", [1, 2, 6])
+def test_rotation_comes_back_right_or_unconverged_never_converged_and_wrong(k):
+    A = rotation(40, 0.9)
+    sr = lp.spectral_radius(lambda h: A @ h, torch.ones(40, dtype=f64), k=k)
+    assert len(sr.eigenvalues) == k or not sr.converged
+    if sr.converged:
+        np.testing.assert_allclose(np.abs(sr.eigenvalues), 0.9, rtol=1e-8)
+        assert sr.residuals.max() <= 1e-6
+
+
+def test_arpack_failure_is_reported_not_raised():
+    A = rotation(40, 0.9)
+    sr = lp.spectral_radius(lambda h: A @ h, torch.ones(40, dtype=f64), k=6, max_iter=1)
+    assert not sr.converged and math.isnan(sr.value)
+    assert sr.reason.startswith("ARPACK did not converge")
+    assert sr.estimate().converged is False
+
+
+def test_a_nan_jacobian_is_reported_not_raised():
+    sr = lp.spectral_radius(torch.sqrt, torch.zeros(8, dtype=f64))
+    assert not sr.converged and "JVP of the step returned NaN/inf" in sr.reason
+
+
+def test_spectral_radius_frame_has_one_row_per_eigenvalue():
+    A = torch.diag(torch.tensor([0.5, -0.9, 0.1, 0.2, 0.3, 0.05, 0.01, 0.02], dtype=f64))
+    sr = lp.spectral_radius(lambda h: A @ h, torch.ones(8, dtype=f64), k=3)
+    frame = sr.to_frame()
+    assert list(frame["modulus"].round(12)) == [0.9, 0.5, 0.3]
+    assert frame["real"].iloc[0] == pytest.approx(-0.9)
+
+
+def test_jacobian_norm_matches_the_svd_of_the_dense_jacobian():
+    T, x = tanh_round(12, 4, gain=2.0)
+    h = torch.randn(12, dtype=f64, generator=gen(9))
+    est = lp.jacobian_norm(T, h, x=x)
+    dense = torch.linalg.matrix_norm(dense_jacobian(lambda h: T(h, x), h), 2).item()
+    assert est.converged and est.value == pytest.approx(dense, rel=1e-6)
+
+
+# --------------------------------------------------------------------- input-dependence
+
+
+def implicit_oracle(T, h_star, x):
+    Jh = dense_jacobian(lambda h: T(h, x), h_star)
+    Jx = torch.func.jacrev(lambda u: T(h_star, u))(x).reshape(h_star.numel(), x.numel())
+    return torch.linalg.solve(torch.eye(h_star.numel(), dtype=f64) - Jh, Jx)
+
+
+def test_implicit_derivative_matches_finite_differences_of_the_fixed_point():
+    T, x = tanh_round(10, 6)
+    h0 = torch.zeros(10, dtype=f64)
+    h_star = lp.fixed_point(T, h0, x=x, tol=1e-15, max_iter=5000).h
+    u = torch.randn(2, 10, dtype=f64, generator=gen(7))
+    dep = lp.input_dependence(T, h_star, x, directions=u)
+    delta = 1e-5
+    for i in range(2):
+        hp = lp.fixed_point(T, h_star, x=x + delta * u[i], tol=1e-15, max_iter=5000).h
+        hm = lp.fixed_point(T, h_star, x=x - delta * u[i], tol=1e-15, max_iter=5000).h
+        fd = (hp - hm) / (2 * delta)
+        assert ((dep.tangents[i] - fd).norm() / fd.norm()).item() < 1e-5
+    S = implicit_oracle(T, h_star, x)
+    assert dep.converged and dep.value == pytest.approx(
+        torch.linalg.matrix_norm(S, 2).item(), rel=1e-6
+    )
+
+
+def test_linear_loop_input_dependence_is_the_closed_form():
+    model = linear_loop()
+    x = torch.randn(8, dtype=f64, generator=gen(3))
+    h_star = lp.fixed_point(model.step, x, x=x, tol=1e-14, max_iter=1000).h
+    dep = lp.input_dependence(model.step, h_star, x, rounds=4)
+    A, U = model.transition_matrix(), model.U.weight.detach()
+    closed = torch.linalg.solve(torch.eye(8, dtype=f64) - A, U)  # dh*/dx = (I - A)^-1 U
+    unrolled = torch.linalg.matrix_power(A, 4) + sum(torch.linalg.matrix_power(A, r) @ U
+                                                     for r in range(4))  # fmt: skip
+    assert dep.value == pytest.approx(torch.linalg.matrix_norm(closed, 2).item(), rel=1e-8)
+    assert dep.unrolled.value == pytest.approx(
+        torch.linalg.matrix_norm(unrolled, 2).item(), rel=1e-8
+    )
+
+
+def test_unrolled_derivative_approaches_the_implicit_one_as_rounds_grow():
+    T, x = tanh_round(8, 11)
+    h_star = lp.fixed_point(T, torch.zeros(8, dtype=f64), x=x, tol=1e-15, max_iter=5000).h
+    u = torch.randn(8, dtype=f64, generator=gen(1))
+    deps = [lp.input_dependence(T, h_star, x, rounds=R, directions=u) for R in (2, 8, 40)]
+    gaps = [dep.gap for dep in deps]
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-8
+    frame = deps[-1].to_frame()
+    assert list(frame["probe"]) == ["operator", "direction 0"] and frame["gap"].max() < 1e-6
+
+
+def test_without_recall_the_fixed_point_ignores_the_input_but_the_rounds_do_not():
+    g = gen(4)
+    W = 0.5 * torch.randn(6, 6, generator=g, dtype=f64) / 6**0.5
+    T = lambda h, x: torch.tanh(W @ h) + 0.1  # noqa: E731 - no recall: x is never read
+    x = torch.randn(6, generator=g, dtype=f64)
+    h_star = lp.fixed_point(T, x, x=x, tol=1e-14, max_iter=1000).h
+    dep = lp.input_dependence(T, h_star, x, rounds=3)  # h0 = x: the rounds start at the input
+    assert dep.value == 0.0 and dep.unrolled.value > 1e-3 and dep.gap == 1.0
+
+
+def test_input_dependence_rejects_bad_directions_and_start():
+    T, x = tanh_round(4, 0)
+    h = torch.zeros(4, dtype=f64)
+    with pytest.raises(ValueError, match=r"input_dependence: directions have shape \(3,\)"):
+        lp.input_dependence(T, h, x, directions=torch.ones(3, dtype=f64))
+    with pytest.raises(ValueError, match="input_dependence: h0=None starts the rounds at x"):
+        lp.input_dependence(lambda h, x: h, torch.zeros(5, dtype=f64), x, rounds=2)
