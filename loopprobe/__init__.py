@@ -6,6 +6,7 @@ One import path: ``import loopprobe as lp``.
 __version__ = "0.1.0"
 
 from loopprobe import models, plots, tasks, theory
+from loopprobe.finitestep import FiniteStep, finite_step, path_gains, reference_logprob
 from loopprobe.fixedpoint import (
     FixedPoint,
     InputDependence,
@@ -27,15 +28,19 @@ from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, att
 __all__ = [
     "__version__",
     "Estimate",
+    "FiniteStep",
     "FixedPoint",
     "InputDependence",
     "RoundMap",
     "RoundResiduals",
     "SpectralRadius",
+    "finite_step",
     "fixed_point",
     "input_dependence",
     "jacobian_norm",
     "observed_rate",
+    "path_gains",
+    "reference_logprob",
     "round_map",
     "round_residuals",
     "spectral_radius",
