@@ -1,0 +1,141 @@
+"""Proposition A.5 and Corollary A.6: the tied bound ||Delta F|| <= C'' M kappa_R (beta/alpha)^2.
+
+Statement (seed 002, Eq. 13, 14; Prop. A.5, Cor. A.6). Substituting kappa_R (Eq. 12) into
+the double sum (Eq. 11) and using submultiplicativity:
+||Delta F|| <= C'' M kappa_R (beta/alpha)^2, so M kappa_R (beta/alpha)^2 = O(1) suffices.
+Corollary A.6 (aligned visits, kappa_R = Theta(R)): ||Delta F|| <= C'' M R (beta/alpha)^2.
+
+Checks:
+- property (Prop. A.5), hypothesis over tiny float64 LoopedGPTs (K in 1..2, R in 1..4,
+  DeepNorm / DeepLoop / plain Post-LN / the p-family, random seeds): with U_{r,j}, G_{r,j}
+  by brute force (dense jacrev on the explicitly untied twin), C_U beta/alpha and
+  C_G beta/alpha the largest per-visit norms and kappa_R = max_j kappa_j, the first-order
+  change of one SGD step satisfies ||Delta F_1|| <= eta M kappa_R C_U C_G (beta/alpha)^2
+  (here C'' = eta C_U C_G exactly) with relative slack 1e-9, and every kappa_j lies in
+  [0, R]; ``target`` pushes the ratio up; ``@example`` pins K = R = 1 (one visit, only
+  submultiplicativity is lost) and an aligned case.
+- rate (Cor. A.6) on the reference LoopedGPT at init (K = 2, R = 1..8, one SGD step,
+  lr 1e-3): visits are close to aligned (the post-norm stream moves by O(beta/alpha) per
+  visit), and the implied constant ||Delta F|| / (eta M R (beta/alpha)^2) stays within a
+  factor 2 across R for both DeepNorm and DeepLoop, with log-log slope in R within 0.15
+  of 0.
+
+Wrong variant (the issue's example): "the untied count M (beta/alpha)^2 bounds the tied
+||Delta F|| with a constant independent of R": the implied constant
+||Delta F|| / (eta M (beta/alpha)^2) grows like R (slope ~1) in the same sweep.
+
+What a check cannot establish: C'' for the paper's constants C_U, C_G (unknown; we use the
+empirical maxima), kappa after training, or the bound for other optimizers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import example, given, target
+from hypothesis import strategies as st
+
+from proofs_check._common import (
+    Tightest,
+    band,
+    falsified,
+    kappa,
+    loglog_slope,
+    one_sgd_step_change,
+    opnorm,
+    per_visit,
+    tiny_gpt,
+    tokens,
+)
+from proofs_check._registry import Outcome, Profile, statement, wrong_variant
+from proofs_check.exponent_threshold import LR, tied_sweep
+
+REF = "seed 002, Eq. 13-14, Prop. A.5, Cor. A.6"
+TOL = 0.15
+NORMS = ("deepnorm", "deeploop", "post", "postp")
+
+
+def bound_ratio(K: int, R: int, norm: str, p: float | None, seed: int) -> dict:
+    m = tiny_gpt(K, R, norm, p=p if norm == "postp" else None, seed=seed)
+    idx, tgt = tokens(16, 2, 4, seed)
+    pv = per_visit(m, idx, tgt)
+    U, G = pv["U"], pv["G"]
+    CU = max(opnorm(Ur) for Uj in U for Ur in Uj)
+    CG = max(float(Gr.norm()) for Gj in G for Gr in Gj)
+    kj = [kappa(Uj, Gj, CU, CG) for Uj, Gj in zip(U, G, strict=True)]
+    eta = 1e-4
+    dF1 = -eta * sum(sum(Uj) @ sum(Gj) for Uj, Gj in zip(U, G, strict=True))
+    dF = one_sgd_step_change(m, idx, tgt, eta)["dF"].reshape(-1)
+    b = eta * m.cfg.M * max(kj) * CU * CG
+    return {"first": float(dF1.norm()) / b, "finite": float(dF.norm()) / b, "kappas": kj, "R": R}
+
+
+@statement("Prop A.5: ||dF_1|| <= eta M kappa_R C_U C_G (beta/alpha)^2", REF, "property")
+def check_bound(profile: Profile) -> Outcome:
+    tight, kap = Tightest(), []
+
+    @profile.hypothesis(examples=10)
+    @given(
+        K=st.integers(1, 2),
+        R=st.integers(1, 4),
+        norm=st.sampled_from(NORMS),
+        p=st.floats(0.1, 1.0),
+        seed=st.integers(0, 10**4),
+    )
+    @example(K=1, R=1, norm="deepnorm", p=0.25, seed=0)
+    @example(K=1, R=4, norm="postp", p=1.0, seed=1)
+    def prop(K, R, norm, p, seed):
+        res = bound_ratio(K, R, norm, p, seed)
+        target(res["first"], label="||dF_1|| / bound")
+        tight.see(res["first"], f"K={K}, R={R}, {norm}")
+        kap.append(max(res["kappas"]) / R)
+        assert all(-1e-12 <= k <= R * (1 + 1e-12) for k in res["kappas"]), res["kappas"]
+        assert res["first"] <= 1 + 1e-9, res
+
+    why = falsified(prop)
+    return Outcome(
+        why is None,
+        f"tightest ||dF_1||/bound {tight.ratio:.3f} at {tight.where}; kappa_R/R in "
+        f"[{min(kap):.2f}, {max(kap):.2f}] ({tight.count} models)" + (f"; {why}" if why else ""),
+    )
+
+
+def _rs(profile: Profile) -> tuple[int, ...]:
+    return (1, 2, 4, 8, 16) if profile.wide else (1, 2, 4, 8)
+
+
+def _constants(profile: Profile, count: str) -> dict[str, list[float]]:
+    Rs = _rs(profile)
+    out = {}
+    for norm in ("deepnorm", "deeploop"):
+        dF, untied = tied_sweep(norm, Rs, profile.seeds)
+        extra = np.asarray(Rs, float) if count == "aligned" else np.ones(len(Rs))
+        out[norm] = [f / (LR * u * e) for f, u, e in zip(dF, untied, extra, strict=True)]
+    return out
+
+
+@statement("Cor A.6: aligned ||dF|| / (eta M R (beta/alpha)^2) flat in R", REF, "rate")
+def check_aligned(profile: Profile) -> Outcome:
+    Rs = _rs(profile)
+    C = _constants(profile, "aligned")
+    slopes = {n: loglog_slope(Rs, c) for n, c in C.items()}
+    bands = {n: band(c) for n, c in C.items()}
+    ok = all(abs(s) <= TOL for s in slopes.values()) and all(b <= 2 for b in bands.values())
+    return Outcome(
+        ok,
+        "C'' slope in R: "
+        + ", ".join(f"{n} {slopes[n]:.3f} (band {bands[n]:.2f})" for n in C)
+        + f"; R={list(Rs)}",
+    )
+
+
+@wrong_variant("untied count M(beta/alpha)^2 bounds tied ||dF|| uniformly in R", REF, "rate")
+def wrong_untied_count(profile: Profile) -> Outcome:
+    Rs = _rs(profile)
+    C = _constants(profile, "untied")
+    slopes = {n: loglog_slope(Rs, c) for n, c in C.items()}
+    grow = {n: c[-1] / c[0] for n, c in C.items()}
+    return Outcome(
+        all(abs(s) <= TOL for s in slopes.values()),
+        "||dF||/(eta M(beta/alpha)^2) slope in R: "
+        + ", ".join(f"{n} {slopes[n]:.2f} (x{grow[n]:.1f} from R=1 to {Rs[-1]})" for n in C),
+    )
