@@ -291,3 +291,20 @@ def test_input_dependence_rejects_bad_directions_and_start():
         lp.input_dependence(T, h, x, directions=torch.ones(3, dtype=f64))
     with pytest.raises(ValueError, match="input_dependence: h0=None starts the rounds at x"):
         lp.input_dependence(lambda h, x: h, torch.zeros(5, dtype=f64), x, rounds=2)
+
+
+def test_traced_jvps_agree_with_plain_jvps(monkeypatch):
+    from loopprobe.fixedpoint import _JVP
+
+    monkeypatch.setattr(_JVP, "min_seconds", 0.0)
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=2, recall="internal")
+    model = LoopedGPT(cfg, generator=gen(0)).double()
+    rm = lp.round_map(model, torch.randint(0, 16, (1, 4), generator=gen(1)))
+    jvp = _JVP(rm.T, rm.h0, trace=True)
+    vs = torch.randn(12, *rm.h0.shape, dtype=f64, generator=gen(2))
+    outs = [jvp(v) for v in vs]
+    assert jvp.traced is not None  # traced after 10 plain calls
+    for v, out in zip(vs, outs, strict=True):
+        torch.testing.assert_close(
+            out, torch.func.jvp(rm.T, (rm.h0,), (v,))[1], rtol=1e-12, atol=1e-12
+        )

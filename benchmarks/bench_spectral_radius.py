@@ -1,0 +1,58 @@
+"""Spectral radius of one round: Arnoldi on JVPs vs the dense Jacobian, in one run.
+
+The round is a LoopedGPT round (K=1, recall="add", outer norm) in float64 at state
+dimension n = seq_len * d_model (default 64 * 64 = 4096). The dense twin builds the
+n x n Jacobian with ``torch.func.jacrev`` and calls ``torch.linalg.eigvals``; the
+library runs ARPACK on a ``LinearOperator`` of JVPs (``lp.spectral_radius``).
+Targets (issue 5): >= 20x faster, relative error <= 1e-4. Not a test.
+
+    .venv/bin/python benchmarks/bench_spectral_radius.py [--seq-len 64 --d-model 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import loopprobe as lp
+from loopprobe.models import GPTConfig, LoopedGPT
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--k", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    cfg = GPTConfig(vocab_size=64, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
+                    K=1, R=8, recall="add", outer_norm=True)  # fmt: skip
+    g = torch.Generator().manual_seed(args.seed)
+    model = LoopedGPT(cfg, generator=g).double()
+    rm = lp.round_map(model, torch.randint(0, 64, (1, args.seq_len), generator=g))
+    h = lp.round_residuals(rm.T, rm.h0, cfg.R).h  # the state the model's own rounds reach
+    n = h.numel()
+    print(f"state dimension n = {n} (seq_len {args.seq_len} x d_model {args.d_model}), float64")
+
+    start = time.perf_counter()
+    sr = lp.spectral_radius(rm.T, h, k=args.k)
+    t_arnoldi = time.perf_counter() - start
+    print(f"arnoldi: rho = {sr.value:.10f}  converged={sr.converged}  JVPs={sr.iterations}  "
+          f"{t_arnoldi:.2f} s")  # fmt: skip
+
+    start = time.perf_counter()
+    J = torch.func.jacrev(rm.T)(h).reshape(n, n).detach()
+    t_jac = time.perf_counter() - start
+    rho = torch.linalg.eigvals(J).abs().max().item()
+    t_dense = time.perf_counter() - start
+    print(f"dense:   rho = {rho:.10f}  jacrev {t_jac:.2f} s + eigvals {t_dense - t_jac:.2f} s")
+
+    print(f"speed ratio dense / arnoldi = {t_dense / t_arnoldi:.1f}x (target >= 20x)")
+    print(f"relative error = {abs(sr.value - rho) / rho:.2e} (target <= 1e-4)")
+
+
+if __name__ == "__main__":
+    main()
