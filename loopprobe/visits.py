@@ -290,7 +290,7 @@ class Probe:
                 for n, m in owners.items():
                     handles.append(m.register_forward_pre_hook(pre(n)))
                     handles.append(m.register_forward_hook(post, always_call=True))
-                with torch.no_grad():
+                with torch.no_grad(), seeded(0, _device_of(self.model)):
                     call_model(self.model, inputs, forward)
             finally:
                 for h in handles:
@@ -442,12 +442,19 @@ class Probe:
 
     # -- public measurements -----------------------------------------------------
     def visits(
-        self, inputs: Any, *, forward: Forward | None = None, output: Output | None = None
+        self,
+        inputs: Any,
+        *,
+        forward: Forward | None = None,
+        output: Output | None = None,
+        seed: int | None = 0,
     ) -> list[Visit]:
         """All visits of one forward on ``inputs``, with ``grad_visible`` measured.
 
         A visit is gradient-visible when its offset ``delta_{r,j}`` reaches F through the
-        autograd graph (one backward; the model's ``.grad`` is not touched).
+        autograd graph (one backward; the model's ``.grad`` is not touched). Every probe
+        forward runs with torch's RNG forked and set to ``seed`` (the caller's RNG state
+        is left as it was; ``None``: use and advance the caller's RNG).
         """
         groups = self._ensure_groups(inputs, forward, "Probe.visits")
         leaves: list[list[torch.Tensor]] = []
@@ -457,7 +464,12 @@ class Probe:
             leaves.append(new)
             return new
 
-        with torch.enable_grad(), self.session(enter, call="Probe.visits") as trace:
+        device = _device_of(self.model)
+        with (
+            torch.enable_grad(),
+            seeded(seed, device),
+            self.session(enter, call="Probe.visits") as trace,
+        ):
             F = pick_output(call_model(self.model, inputs, forward), output, call="Probe.visits")
             flat = [t for ts in leaves for t in ts]
             seen = [False] * len(leaves)
@@ -473,14 +485,19 @@ class Probe:
         return [_replace(v, grad_visible=s) for v, s in zip(trace.visits, seen, strict=True)]
 
     def visit_table(
-        self, inputs: Any, *, forward: Forward | None = None, output: Output | None = None
+        self,
+        inputs: Any,
+        *,
+        forward: Forward | None = None,
+        output: Output | None = None,
+        seed: int | None = 0,
     ) -> pd.DataFrame:
         """One row per physical sublayer: parameters, visits R_j, gradient-visible visits.
 
         ``df.attrs`` holds the totals ``M`` (forward-visible visits) and ``M_g``
         (gradient-visible visits), both measured. Reference: seed 002, Eq. 17-18.
         """
-        visits = self.visits(inputs, forward=forward, output=output)
+        visits = self.visits(inputs, forward=forward, output=output, seed=seed)
         rows = []
         for g in self.groups():
             s = g.sublayer
@@ -504,12 +521,18 @@ class Probe:
         return df
 
     def record(
-        self, inputs: Any, *, forward: Forward | None = None, copy: bool = True
+        self,
+        inputs: Any,
+        *,
+        forward: Forward | None = None,
+        copy: bool = True,
+        seed: int | None = 0,
     ) -> Recording:
         """Run one forward and keep, for every visit, copies of its inputs and its output.
 
         Copies are detached clones taken when the call returns (outputs may be modified in
-        place afterwards); ``copy=False`` keeps references instead. The record of visit i
+        place afterwards); ``copy=False`` keeps references instead. ``seed`` as in
+        :meth:`visits`. The record of visit i
         is ``rec.visits[i]`` with ``sublayer``, ``j``, ``r``, ``module``, ``grad_enabled``,
         ``args``, ``kwargs`` and ``output``.
         """
@@ -520,10 +543,35 @@ class Probe:
         def leave(v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
             records.append(VisitRecord(v, keep(args), keep(kwargs), keep(out)))
 
-        with self.session(None, leave, call="Probe.record"):
+        with seeded(seed, _device_of(self.model)), self.session(None, leave, call="Probe.record"):
             out = call_model(self.model, inputs, forward)
         records.sort(key=lambda rec: rec.visit.i)
         return Recording(records, keep(out), self.sublayers())
+
+    # -- derivatives (thin wrappers; see loopprobe.updates/sensitivity/alignment) -------
+    def updates(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Any:
+        """Per-visit updates G_{r,j}: :func:`loopprobe.updates.per_visit_updates`."""
+        from loopprobe.updates import per_visit_updates
+
+        return per_visit_updates(self, inputs, loss_fn, **kwargs)
+
+    def sensitivity(self, inputs: Any, **kwargs: Any) -> Any:
+        """Operator norms of U_{r,j}: :func:`loopprobe.sensitivity.sensitivity_norms`."""
+        from loopprobe.sensitivity import sensitivity_norms
+
+        return sensitivity_norms(self, inputs, **kwargs)
+
+    def alignment(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Any:
+        """kappa_j, kappa_R, Gram matrices: :func:`loopprobe.alignment.visit_alignment`."""
+        from loopprobe.alignment import visit_alignment
+
+        return visit_alignment(self, inputs, loss_fn, **kwargs)
+
+    def bound(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Any:
+        """Measured output change after one step vs M kappa (beta/alpha)^2: :func:`bound_check`."""
+        from loopprobe.alignment import bound_check
+
+        return bound_check(self, inputs, loss_fn, **kwargs)
 
 
 @dataclass
@@ -577,6 +625,24 @@ def attach(
 
 
 # --------------------------------------------------------------------------- internals
+
+
+@contextmanager
+def seeded(seed: int | None, device: torch.device | None = None) -> Iterator[None]:
+    """Run the block with torch's RNG at ``seed`` and put the caller's RNG state back.
+
+    Every function evaluation of one estimate runs under the same seed, so dropout and
+    other torch randomness draw the same sample for every derivative. ``None``: no-op.
+    """
+    if seed is None:
+        yield
+        return
+    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for idx in cuda:
+            torch.cuda.default_generators[idx].manual_seed(seed)
+        yield
 
 
 def _replace(obj: Any, **changes: Any) -> Any:
@@ -641,6 +707,11 @@ def _looped_units(
             chosen.append(k)
     chosen.sort(key=lambda k: tops[k][0])
     return [list(dict.fromkeys(calls[c][0] for c in tops[k])) for k in chosen]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def _pset(module: nn.Module) -> frozenset:

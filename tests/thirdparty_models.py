@@ -123,6 +123,16 @@ class AlbertModel(nn.Module):
             x = layer(x)
         return x
 
+    def untied(self) -> AlbertModel:
+        """A copy in which every layer owns private clones of the shared parameters."""
+        twin = copy.deepcopy(self)
+        for layer in twin.layers:
+            for mod in (layer.mix.q, layer.mix.v):
+                for name, p in list(mod._parameters.items()):
+                    if p is not None:
+                        setattr(mod, name, nn.Parameter(p.detach().clone()))
+        return twin
+
 
 class KeywordBlock(nn.Module):
     def __init__(self, d: int) -> None:
@@ -262,6 +272,11 @@ class DropoutLoopModel(nn.Module):
         for _ in range(self.R):
             x = self.drop(self.block(x))
         return x
+
+    def untied(self) -> UnrolledModel:
+        """Block copies at steps 0, 2, 4, ...; the dropouts draw in the same order."""
+        steps = [m for _ in range(self.R) for m in (self.block, self.drop)]
+        return UnrolledModel(nn.Identity(), steps, nn.Identity())
 
 
 def make(cls: type, seed: int = 0, **kw) -> nn.Module:

@@ -1,0 +1,303 @@
+"""Per-visit updates ``G_{r,j}``: one backward pass, optionally optimizer-preconditioned.
+
+``G_{r,j} = d loss / d delta_{r,j}``: the gradient the shared parameters ``phi_j`` would get
+from visit ``(r, j)`` alone if that visit had its own (untied) copy. All of them come from
+one backward pass: at each visit the module computes with a fresh leaf that holds the
+same values as ``phi_j``, and ``torch.autograd.grad`` differentiates the loss with
+respect to those leaves. ``sum_r G_{r,j}`` is the ordinary tied gradient of ``phi_j``.
+The model's ``.grad`` fields are never touched.
+
+With an optimizer other than plain SGD the *effective* update is the optimizer's
+preconditioned step. For Adam/AdamW the next step moves ``phi`` along
+``m_hat / (sqrt(v_hat) + eps)``; the part of ``m_hat`` contributed by this batch's
+gradient is ``c * g`` with ``c = (1 - beta1) / (1 - beta1^(t+1))``, so the visit-resolved
+effective update is ``G_eff_{r,j} = c * G_{r,j} / (sqrt(v_hat) + eps)`` with ``v_hat``
+from the optimizer state updated by the tied gradient (a fresh optimizer: ``t = 0``,
+``c = 1``, ``v_hat = g^2``). Then ``sum_r G_eff_{r,j}`` is exactly the new-gradient
+part of the step; the momentum history (absent for a fresh optimizer) is reported as a
+norm, not split over visits. ``Updates.method`` says which rule was used.
+Reference: seed 002, Eq. 11-12 (``G_{r,j}``) and DESIGN.md §2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+
+from loopprobe.visits import Forward, Probe, Visit, call_model, seeded
+
+LossFn = Any  # Callable[[output, inputs], scalar Tensor]
+
+
+@dataclass
+class Updates:
+    """Visit-resolved updates of every physical sublayer.
+
+    ``G[j]`` has shape ``(R_j, n_j)``: one flattened effective update per forward visit
+    of sublayer j (zero rows for visits that are not gradient-visible); ``visible[j]``
+    marks the gradient-visible ones. ``grad[j]`` is the raw ``d loss / d delta``.
+    ``history_norm[j]`` is the norm of the optimizer-momentum part of the next step.
+    """
+
+    visits: list[Visit]
+    sublayers: list[str]
+    G: list[torch.Tensor]
+    grad: list[torch.Tensor]
+    visible: list[torch.Tensor]
+    method: str
+    loss: float
+    history_norm: list[float] = field(default_factory=list)
+
+    def tied(self, j: int) -> torch.Tensor:
+        """``sum_r G_{r,j}``: the tied (effective) update of sublayer j, flattened."""
+        return self.G[j].sum(0)
+
+    def norms(self, j: int) -> torch.Tensor:
+        return self.G[j].norm(dim=1)
+
+    def gram(self, j: int, *, visible_only: bool = True) -> torch.Tensor:
+        """Gram matrix ``<G_r, G_s>`` over the visits of sublayer j."""
+        g = self.G[j][self.visible[j]] if visible_only else self.G[j]
+        return g @ g.T
+
+    def cosine(self, j: int, *, visible_only: bool = True) -> torch.Tensor:
+        """Cosine matrix of the visit updates (NaN where an update is zero)."""
+        return _cosine(self.gram(j, visible_only=visible_only))
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = []
+        for v in self.visits:
+            rows.append(
+                {
+                    "sublayer": v.sublayer,
+                    "j": v.j,
+                    "r": v.r,
+                    "i": v.i,
+                    "module": v.module,
+                    "grad_visible": bool(self.visible[v.j][v.r]),
+                    "G_norm": float(self.G[v.j][v.r].norm()),
+                    "grad_norm": float(self.grad[v.j][v.r].norm()),
+                }
+            )
+        df = pd.DataFrame(rows)
+        df.attrs["method"] = self.method
+        return df
+
+
+def per_visit_updates(
+    probe: Probe,
+    inputs: Any,
+    loss_fn: LossFn,
+    *,
+    forward: Forward | None = None,
+    update: str | torch.optim.Optimizer = "sgd",
+    seed: int | None = 0,
+) -> Updates:
+    """``G_{r,j}`` for every visit of every sublayer from one backward pass.
+
+    ``loss_fn(output, inputs)`` returns a scalar. ``update``: ``"sgd"`` (``G`` is the
+    gradient, the step is ``-lr * G``), ``"adam"``/``"adamw"`` (a fresh optimizer's first
+    step), or a ``torch.optim.Adam``/``AdamW``/``SGD`` instance whose state is read (never
+    written). ``seed``: torch's RNG is forked and seeded for the forward (same dropout
+    masks as the other estimates of one report; ``None`` leaves the RNG alone).
+    Reference: seed 002, Eq. 11.
+    """
+    call = "per_visit_updates"
+    _check_update(update, call)
+    groups = probe.groups(inputs, forward)
+    leaves: list[tuple[Visit, list[torch.Tensor]]] = []
+
+    def enter(v: Visit, module: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        new = [p.detach().requires_grad_(True) for p in groups[v.j].params]
+        leaves.append((v, new))
+        return new
+
+    device = _device(groups[0].params)
+    with torch.enable_grad(), seeded(seed, device), probe.session(enter, call=call) as trace:
+        out = call_model(probe.model, inputs, forward)
+        loss = loss_fn(out, inputs)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"{call}: loss_fn must return a scalar tensor, got {loss!r}")
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"{call}: the loss is {float(loss.detach())}; "
+                + first_nonfinite_visit(probe, inputs, forward, seed)
+            )
+        flat = [t for _, ts in leaves for t in ts]
+        grads: tuple = (None,) * len(flat)
+        if loss.requires_grad and flat:
+            grads = torch.autograd.grad(loss, flat, allow_unused=True)
+    raw = [
+        torch.zeros(
+            len([1 for v in trace.visits if v.j == j]),
+            g.sublayer.numel,
+            dtype=_dtype(g.params),
+            device=_device(g.params),
+        )
+        for j, g in enumerate(groups)
+    ]
+    visible = [torch.zeros(len(r), dtype=torch.bool) for r in raw]
+    n = 0
+    for v, ts in leaves:
+        parts = grads[n : n + len(ts)]
+        n += len(ts)
+        if all(p is None for p in parts):
+            continue
+        visible[v.j][v.r] = True
+        raw[v.j][v.r] = torch.cat(
+            [
+                (p if p is not None else torch.zeros_like(t)).reshape(-1)
+                for p, t in zip(parts, ts, strict=True)
+            ]
+        )
+    for v in reversed(trace.visits):
+        if not torch.isfinite(raw[v.j][v.r]).all():
+            raise FloatingPointError(
+                f"{call}: non-finite gradient at visit r={v.r} of sublayer {v.sublayer!r} "
+                f"(module {v.module!r}, execution index {v.i}), the first such visit in "
+                "backward order"
+            )
+    G, method, history = _precondition(raw, groups, update, visible)
+    names = [g.sublayer.name for g in groups]
+    return Updates(trace.visits, names, G, raw, visible, method, float(loss.detach()), history)
+
+
+def first_nonfinite_visit(
+    probe: Probe, inputs: Any, forward: Forward | None = None, seed: int | None = 0
+) -> str:
+    """A sentence naming the first visit whose output is NaN/inf (for error messages)."""
+    rec = probe.record(inputs, forward=forward, seed=seed)
+    for v in rec.visits:
+        outs = v.output if isinstance(v.output, tuple | list) else (v.output,)
+        if any(isinstance(o, torch.Tensor) and not torch.isfinite(o).all() for o in outs):
+            return (
+                f"the first non-finite value appears in the output of visit r={v.r} of "
+                f"sublayer {v.sublayer!r} (module {v.module!r}, execution index {v.i})"
+            )
+    return "no visit output is non-finite (it appears outside the looped sublayers)"
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def _check_update(update: Any, call: str) -> None:
+    ok_str = ("sgd", "adam", "adamw")
+    if isinstance(update, str):
+        if update.lower() not in ok_str:
+            raise ValueError(
+                f"{call}: update={update!r}; choose one of {list(ok_str)} or pass "
+                "a torch.optim.SGD/Adam/AdamW instance"
+            )
+        return
+    if not isinstance(update, torch.optim.SGD | torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(
+            f"{call}: update={type(update).__name__} is not supported; pass 'sgd', 'adam', "
+            "'adamw' or a torch.optim.SGD/Adam/AdamW instance"
+        )
+
+
+def _precondition(
+    raw: list[torch.Tensor], groups: list, update: Any, visible: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], str, list[float]]:
+    if isinstance(update, str) and update.lower() == "sgd":
+        return raw, "sgd: G = dL/d delta (the step is -lr * G)", [0.0] * len(raw)
+    if isinstance(update, str):
+        opt_cls = torch.optim.AdamW if update.lower() == "adamw" else torch.optim.Adam
+        hp = {"betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False}
+        states: dict = {}
+        name = update.lower()
+    else:
+        opt_cls, name = type(update), type(update).__name__
+        hp, states = None, update.state
+    G, history = [], []
+    stepped = []
+    for j, g in enumerate(groups):
+        tied = raw[j].sum(0)
+        if opt_cls is torch.optim.SGD:
+            G_j, hist, t = _sgd(raw[j], tied, g.params, update, states)
+        else:
+            G_j, hist, t = _adam(raw[j], tied, g.params, hp or _hyper(update, g.params), states)
+        G.append(G_j)
+        history.append(hist)
+        stepped.append(t)
+    t = max(stepped)
+    if opt_cls is torch.optim.SGD:
+        return (
+            G,
+            f"{name} (state at step {t}): G = (1 - dampening) dL/d delta; momentum excluded",
+            history,
+        )
+    rule = "G = c * dL/d delta / (sqrt(v_hat) + eps)"
+    if t == 0:
+        return G, f"{name} (fresh, first step): {rule}, c = 1, v_hat = g^2 (tied gradient)", history
+    return G, f"{name} (state at step {t}): {rule}, momentum history excluded", history
+
+
+def _hyper(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict:
+    ids = {id(p) for p in params}
+    for group in opt.param_groups:
+        if any(id(p) in ids for p in group["params"]):
+            if group.get("maximize", False):
+                raise ValueError("per_visit_updates: maximize=True optimizers are not supported")
+            return {"betas": group["betas"], "eps": group["eps"], "amsgrad": group["amsgrad"]}
+    raise ValueError(
+        "per_visit_updates: the optimizer does not hold the parameters of this sublayer; "
+        "pass the optimizer that trains the model"
+    )
+
+
+def _flat_state(states: dict, params: list[torch.Tensor], key: str) -> torch.Tensor | None:
+    parts = []
+    for p in params:
+        s = states.get(p, {})
+        if key not in s:
+            return None
+        parts.append(s[key].detach().reshape(-1).to(p.dtype))
+    return torch.cat(parts)
+
+
+def _adam(raw, tied, params, hp, states) -> tuple[torch.Tensor, float, int]:
+    b1, b2 = hp["betas"]
+    eps = hp["eps"]
+    m = _flat_state(states, params, "exp_avg")
+    v = _flat_state(states, params, "exp_avg_sq")
+    fresh = m is None or v is None
+    t = 0 if fresh else int(states[params[0]]["step"])
+    if fresh:
+        m, v = torch.zeros_like(tied), torch.zeros_like(tied)
+    v_new = b2 * v + (1 - b2) * tied * tied
+    if hp.get("amsgrad") and not fresh:
+        vmax = _flat_state(states, params, "max_exp_avg_sq")
+        if vmax is not None:
+            v_new = torch.maximum(vmax, v_new)
+    bc1, bc2 = 1 - b1 ** (t + 1), 1 - b2 ** (t + 1)
+    denom = (v_new / bc2).sqrt() + eps
+    c = (1 - b1) / bc1
+    G = c * raw / denom
+    history = float((b1 * m / bc1 / denom).norm())
+    return G, history, t
+
+
+def _sgd(raw, tied, params, opt, states) -> tuple[torch.Tensor, float, int]:
+    ids = {id(p) for p in params}
+    group = next(g for g in opt.param_groups if any(id(q) in ids for q in g["params"]))
+    buf = _flat_state(states, params, "momentum_buffer")
+    if buf is None or group["momentum"] == 0:
+        return raw, 0.0, 0
+    return (1 - group["dampening"]) * raw, float((group["momentum"] * buf).norm()), 1
+
+
+def _cosine(gram: torch.Tensor) -> torch.Tensor:
+    d = gram.diagonal().sqrt()
+    return gram / (d[:, None] * d[None, :])
+
+
+def _dtype(params: list[torch.Tensor]) -> torch.dtype:
+    return params[0].dtype
+
+
+def _device(params: list[torch.Tensor]) -> torch.device:
+    return params[0].device
