@@ -1,0 +1,411 @@
+"""The visit-alignment coefficient kappa, the visit Gram matrices, and the tied-depth bound.
+
+Per physical sublayer j with R_j gradient-visible visits (seed 002, Eq. 12, with the
+measured maxima in place of ``C_U beta/alpha`` and ``C_G beta/alpha``)::
+
+    kappa_j = ||sum_r U_{r,j}|| * ||sum_r G_{r,j}|| / (R_j * max_r ||U_{r,j}|| * max_r ||G_{r,j}||)
+
+and ``kappa_R = max_j kappa_j``. By the triangle inequality ``0 <= kappa_j <= R_j``: R_j
+when the visits are aligned, O(1) when they decorrelate; ``kappa = 1`` when ``R = 1``.
+The Gram/cosine matrices of ``G_{.,j}`` and of ``U_{.,j}^T w`` (a random unit output
+direction w) show *why*: negative cosines between consecutive visits are gradient
+oscillation. The bound check (Eq. 13/14) compares the measured relative output change
+after one real optimizer step with ``M_g * kappa_R * (beta/alpha)^2`` and reports the
+implied constant ``C``. Reference: seed 002, Eq. 12-14, 18, 21.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from torch.func import jvp
+
+from loopprobe.sensitivity import Sensitivity, sensitivity_norms
+from loopprobe.updates import LossFn, Updates, per_visit_updates
+from loopprobe.visits import Forward, Output, Probe, attach, call_model, pick_output, seeded
+
+
+def visit_kappa(
+    U_tied: float, G_tied: float, U_norms: Sequence[float], G_norms: Sequence[float]
+) -> float:
+    """``kappa_j`` from the four measured norms (NaN when a maximum is zero).
+
+    Reference: seed 002, Eq. 12.
+    """
+    R = len(U_norms)
+    if R == 0 or len(G_norms) != R:
+        raise ValueError(
+            f"visit_kappa: need one U and one G norm per visit, got {len(U_norms)} and "
+            f"{len(G_norms)}"
+        )
+    denom = R * max(U_norms) * max(G_norms)
+    return float(U_tied * G_tied / denom) if denom > 0 else float("nan")
+
+
+@dataclass
+class AlignmentReport:
+    """kappa_R, one row per physical sublayer, one row per visit, and the Gram matrices.
+
+    ``gram_G[name]``/``cos_G[name]``: visit Gram and cosine matrices of ``G_{.,j}``;
+    ``gram_UTw``/``cos_UTw``: the same for ``U_{.,j}^T w``. ``M``/``M_g``: forward- and
+    gradient-visible visits (measured). ``update`` says which effective update G is.
+    """
+
+    kappa: float
+    sublayers: pd.DataFrame
+    visits: pd.DataFrame
+    gram_G: dict[str, torch.Tensor]
+    cos_G: dict[str, torch.Tensor]
+    gram_UTw: dict[str, torch.Tensor]
+    cos_UTw: dict[str, torch.Tensor]
+    M: int
+    M_g: int
+    update: str
+    F_norm: float
+    loss: float
+    updates: Updates | None = field(default=None, repr=False)
+    sensitivity: Sensitivity | None = field(default=None, repr=False)
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per visit with its sublayer's kappa_j, R_j and tied norms joined on."""
+        cols = ["sublayer", "kappa", "R_g", "U_tied", "G_tied", "U_max", "G_max"]
+        return self.visits.merge(self.sublayers[cols], on="sublayer", how="left")
+
+
+def visit_alignment(
+    probe: Probe,
+    inputs: Any,
+    loss_fn: LossFn,
+    *,
+    forward: Forward | None = None,
+    output: Output | None = None,
+    update: str | torch.optim.Optimizer = "sgd",
+    method: str = "power",
+    max_iter: int = 100,
+    tol: float = 1e-10,
+    generator: torch.Generator | None = None,
+    seed: int | None = 0,
+    chunk_size: int | None = None,
+) -> AlignmentReport:
+    """kappa_j per sublayer and kappa_R = max_j, from G (one backward) and U (power iteration).
+
+    The visits counted are the gradient-visible ones (offsets that reach the loss); U is
+    measured on the same visits with F picked by ``output=`` (default the model output).
+    Every model evaluation runs with torch's RNG at ``seed`` (same dropout masks for G
+    and every U product). See :func:`per_visit_updates` and :func:`sensitivity_norms`
+    for the arguments. Reference: seed 002, Eq. 12.
+    """
+    ups = per_visit_updates(probe, inputs, loss_fn, forward=forward, update=update, seed=seed)
+    visible = [v for v in ups.visits if bool(ups.visible[v.j][v.r])]
+    if not visible:
+        raise ValueError(
+            "visit_alignment: no visit of any sublayer gets a gradient from the loss; "
+            "check loss_fn and that the looped sublayers run with gradient enabled"
+        )
+    sens = sensitivity_norms(
+        probe,
+        inputs,
+        forward=forward,
+        output=output,
+        visits=visible,
+        method=method,
+        max_iter=max_iter,
+        tol=tol,
+        generator=generator,
+        seed=seed,
+        chunk_size=chunk_size,
+    )
+    return _report(ups, sens)
+
+
+def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
+    U_of = {v.i: est for v, est in zip(sens.visits, sens.visit_norms, strict=True)}
+    vrows, srows = [], []
+    gram_G, cos_G, gram_UTw, cos_UTw = {}, {}, {}, {}
+    for v in ups.visits:
+        est = U_of.get(v.i)
+        vrows.append(
+            {
+                "sublayer": v.sublayer,
+                "j": v.j,
+                "r": v.r,
+                "i": v.i,
+                "module": v.module,
+                "grad_enabled": v.grad_enabled,
+                "grad_visible": bool(ups.visible[v.j][v.r]),
+                "U_norm": est.value if est else float("nan"),
+                "G_norm": float(ups.G[v.j][v.r].norm()),
+                "converged": est.converged if est else None,
+                "iterations": est.iterations if est else 0,
+                "rel_change": est.rel_change if est else float("nan"),
+            }
+        )
+    visits = pd.DataFrame(vrows)
+    kappas = []
+    for j, name in enumerate(ups.sublayers):
+        mine = visits[(visits.j == j) & visits.grad_visible]
+        R = int((visits.j == j).sum())
+        row: dict[str, Any] = {"sublayer": name, "j": j, "R": R, "R_g": len(mine)}
+        if len(mine) and j in sens.tied_norms:
+            G_sel = ups.G[j][ups.visible[j]]
+            tied_U = sens.tied_norms[j]
+            G_tied = float(G_sel.sum(0).norm())
+            kappa = visit_kappa(tied_U.value, G_tied, list(mine.U_norm), list(mine.G_norm))
+            gram = G_sel @ G_sel.T
+            gram_G[name], cos_G[name] = gram, _cosine(gram)
+            if j in sens.UTw:
+                g2 = sens.UTw[j] @ sens.UTw[j].T
+                gram_UTw[name], cos_UTw[name] = g2, _cosine(g2)
+            kappas.append(kappa)
+            row.update(
+                kappa=kappa,
+                U_tied=tied_U.value,
+                G_tied=G_tied,
+                U_max=float(mine.U_norm.max()),
+                G_max=float(mine.G_norm.max()),
+                U_sum=float(mine.U_norm.sum()),
+                G_sum=float(mine.G_norm.sum()),
+                tied_converged=tied_U.converged,
+                converged=bool(tied_U.converged and mine.converged.all()),
+                cos_G_adjacent=_adjacent(cos_G[name]),
+            )
+        else:
+            row.update(kappa=float("nan"), U_tied=float("nan"), G_tied=float("nan"))
+        srows.append(row)
+    finite = [k for k in kappas if not math.isnan(k)]
+    return AlignmentReport(
+        kappa=max(finite) if finite else float("nan"),
+        sublayers=pd.DataFrame(srows),
+        visits=visits,
+        gram_G=gram_G,
+        cos_G=cos_G,
+        gram_UTw=gram_UTw,
+        cos_UTw=cos_UTw,
+        M=len(ups.visits),
+        M_g=int(visits.grad_visible.sum()),
+        update=ups.method,
+        F_norm=sens.F_norm,
+        loss=ups.loss,
+        updates=ups,
+        sensitivity=sens,
+    )
+
+
+def _cosine(gram: torch.Tensor) -> torch.Tensor:
+    d = gram.diagonal().clamp_min(0).sqrt()
+    return gram / (d[:, None] * d[None, :])
+
+
+def _adjacent(cos: torch.Tensor) -> float:
+    """Mean cosine between consecutive visits (negative: gradient oscillation)."""
+    if cos.shape[0] < 2:
+        return float("nan")
+    return float(cos.diagonal(1).mean())
+
+
+# --------------------------------------------------------------------------- bound check
+
+
+@dataclass
+class BoundCheck:
+    """Measured ``||Delta F|| / ||F||`` after one step vs ``M_g kappa_R (beta/alpha)^2``."""
+
+    kappa: float
+    M: int
+    M_g: int
+    alpha: float
+    beta: float
+    lr: float
+    optimizer: str
+    scope: str
+    F_norm: float
+    dF_first: float
+    dF_true: float
+    prediction: float
+    C: float
+    C_first: float
+    report: AlignmentReport | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        keys = [k for k in self.__dataclass_fields__ if k != "report"]
+        return {k: getattr(self, k) for k in keys}
+
+    def to_frame(self) -> pd.DataFrame:
+        return pd.DataFrame([self.to_dict()])
+
+
+def bound_check(
+    probe: Probe,
+    inputs: Any,
+    loss_fn: LossFn,
+    *,
+    lr: float = 1e-3,
+    optimizer: str = "sgd",
+    scope: str = "looped",
+    alpha: float | None = None,
+    beta: float | None = None,
+    forward: Forward | None = None,
+    output: Output | None = None,
+    seed: int | None = 0,
+    report: AlignmentReport | None = None,
+    **alignment_kwargs: Any,
+) -> BoundCheck:
+    """One real optimizer step on a copy of the parameters; the output change it causes.
+
+    ``optimizer``: ``"sgd"``, ``"adam"`` or ``"adamw"`` (a fresh ``torch.optim`` optimizer
+    with ``lr``), stepping on detached clones, so the model never changes. ``scope``:
+    ``"looped"`` steps only the looped sublayers' parameters (the bound's subject;
+    embeddings, norms and heads fixed), ``"all"`` every parameter. Measured: the
+    first-order change ``||J dtheta|| / ||F||`` (one JVP) and the true finite change
+    ``||F(theta + dtheta) - F(theta)|| / ||F||``. ``alpha``/``beta`` default to
+    ``model.cfg.alpha``/``.beta``. The prediction uses the gradient-visible count
+    ``M_g`` (equal to M without truncation; seed 002, Eq. 21) and
+    ``C = dF_true / prediction``. Reference: seed 002, Eq. 13-14.
+    """
+    call = "bound_check"
+    if scope not in ("looped", "all"):
+        raise ValueError(f"{call}: scope={scope!r}; choose 'looped' or 'all'")
+    opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    if optimizer not in opt_cls:
+        raise ValueError(f"{call}: optimizer={optimizer!r}; choose one of {list(opt_cls)}")
+    alpha, beta = _scales(probe.model, alpha, beta, call)
+    if report is None:
+        report = visit_alignment(
+            probe, inputs, loss_fn, forward=forward, output=output, seed=seed, **alignment_kwargs
+        )
+    model = probe.model
+    if scope == "looped":
+        params = list({id(p): p for g in probe.groups() for p in g.params}.values())
+    else:
+        params = [p for p in model.parameters()]
+    with torch.enable_grad(), seeded(seed, params[0].device):
+        loss = loss_fn(call_model(model, inputs, forward), inputs)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    new = [p.detach().clone() for p in params]
+    for q, g in zip(new, grads, strict=True):
+        q.grad = torch.zeros_like(q) if g is None else g.detach().clone()
+    opt = opt_cls[optimizer](new, lr=lr)
+    opt.step()
+    delta = [q.detach() - p.detach() for q, p in zip(new, params, strict=True)]
+
+    def F_of(*values: torch.Tensor) -> torch.Tensor:
+        with seeded(seed, params[0].device), _swapped(model, params, values):
+            return pick_output(call_model(model, inputs, forward), output, call=call)
+
+    with torch.no_grad():
+        F0 = F_of(*[p.detach() for p in params])
+        F1 = F_of(*[q.detach() for q in new])
+        _, dF = jvp(F_of, tuple(p.detach() for p in params), tuple(delta))
+    F_norm = float(F0.norm())
+    dF_first = float(dF.norm()) / F_norm
+    dF_true = float((F1 - F0).norm()) / F_norm
+    prediction = report.M_g * report.kappa * (beta / alpha) ** 2
+    return BoundCheck(
+        kappa=report.kappa,
+        M=report.M,
+        M_g=report.M_g,
+        alpha=alpha,
+        beta=beta,
+        lr=lr,
+        optimizer=optimizer,
+        scope=scope,
+        F_norm=F_norm,
+        dF_first=dF_first,
+        dF_true=dF_true,
+        prediction=prediction,
+        C=dF_true / prediction,
+        C_first=dF_first / prediction,
+        report=report,
+    )
+
+
+def _scales(model: nn.Module, alpha: float | None, beta: float | None, call: str) -> tuple:
+    cfg = getattr(model, "cfg", None)
+    if alpha is None:
+        alpha = getattr(cfg, "alpha", None)
+    if beta is None:
+        beta = getattr(cfg, "beta", None)
+    if alpha is None or beta is None:
+        raise ValueError(
+            f"{call}: the model has no cfg.alpha/cfg.beta; pass alpha= and beta= (the residual "
+            "scale and init gain; 1.0 and 1.0 for a plain pre-norm model)"
+        )
+    return float(alpha), float(beta)
+
+
+@contextmanager
+def _swapped(model: nn.Module, params: list[torch.Tensor], values: Sequence) -> Iterator[None]:
+    """Every module slot holding ``params[k]`` holds ``values[k]`` inside the block."""
+    index = {id(p): k for k, p in enumerate(params)}
+    saved = []
+    try:
+        for m in model.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None and id(p) in index:
+                    saved.append((m, name, p))
+                    m._parameters[name] = values[index[id(p)]]
+        yield
+    finally:
+        for m, name, p in reversed(saved):
+            m._parameters[name] = p
+
+
+# --------------------------------------------------------------------------- R sweep
+
+
+@dataclass
+class BoundSweep:
+    """One :class:`BoundCheck` row per R, and the fitted log-log slopes in R."""
+
+    frame: pd.DataFrame
+    slope: float
+    slope_first: float
+    slope_prediction: float
+    C_ratio: float
+
+    def to_frame(self) -> pd.DataFrame:
+        return self.frame
+
+
+def bound_sweep(
+    factory: Callable[[int], nn.Module],
+    Rs: Sequence[int],
+    inputs: Any,
+    loss_fn: LossFn,
+    *,
+    sublayers: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> BoundSweep:
+    """:func:`bound_check` on ``factory(R)`` for each R; slopes of log dF vs log R.
+
+    ``inputs`` may be a callable ``inputs(model)``. ``slope`` fits the true relative change,
+    ``slope_first`` the first-order one, ``slope_prediction`` the predicted bound;
+    ``C_ratio = max C / min C`` across R. Reference: seed 002, Eq. 13-16.
+    """
+    if len(Rs) < 2:
+        raise ValueError(f"bound_sweep: need at least two values of R, got {list(Rs)}")
+    rows = []
+    for R in Rs:
+        model = factory(R)
+        x = inputs(model) if callable(inputs) else inputs
+        with attach(model, sublayers) as probe:
+            chk = bound_check(probe, x, loss_fn, **kwargs)
+        rows.append({"R": R, **chk.to_dict()})
+    frame = pd.DataFrame(rows)
+    logR = np.log(frame.R.to_numpy(dtype=float))
+    fit = lambda col: float(np.polyfit(logR, np.log(frame[col].to_numpy(dtype=float)), 1)[0])  # noqa: E731
+    return BoundSweep(
+        frame=frame,
+        slope=fit("dF_true"),
+        slope_first=fit("dF_first"),
+        slope_prediction=fit("prediction"),
+        C_ratio=float(frame.C.max() / frame.C.min()),
+    )
