@@ -6,6 +6,15 @@ One import path: ``import loopprobe as lp``.
 __version__ = "0.1.0"
 
 from loopprobe import models, plots, tasks, theory
+from loopprobe.alignment import (
+    AlignmentReport,
+    BoundCheck,
+    BoundSweep,
+    bound_check,
+    bound_sweep,
+    visit_alignment,
+    visit_kappa,
+)
 from loopprobe.finitestep import FiniteStep, finite_step, path_gains, reference_logprob
 from loopprobe.fixedpoint import (
     FixedPoint,
@@ -21,12 +30,26 @@ from loopprobe.fixedpoint import (
     round_residuals,
     spectral_radius,
 )
-from loopprobe.linalg import Estimate, operator_norm, operator_norm_lanczos
+from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov, operator_norm_lanczos
+from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
+from loopprobe.updates import Updates, per_visit_updates
 from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, attach
 
 __all__ = [
     "__version__",
+    "AlignmentReport",
+    "BoundCheck",
+    "BoundSweep",
+    "Sensitivity",
+    "Updates",
+    "bound_check",
+    "bound_sweep",
+    "operator_norm_krylov",
+    "per_visit_updates",
+    "sensitivity_norms",
+    "visit_alignment",
+    "visit_kappa",
     "Estimate",
     "FiniteStep",
     "FixedPoint",
