@@ -94,6 +94,7 @@ def visit_alignment(
     generator: torch.Generator | None = None,
     seed: int | None = 0,
     chunk_size: int | None = None,
+    memory: str = "full",
 ) -> AlignmentReport:
     """kappa_j per sublayer and kappa_R = max_j, from G (one backward) and U (power iteration).
 
@@ -101,9 +102,12 @@ def visit_alignment(
     measured on the same visits with F picked by ``output=`` (default the model output).
     Every model evaluation runs with torch's RNG at ``seed`` (same dropout masks for G
     and every U product). See :func:`per_visit_updates` and :func:`sensitivity_norms`
-    for the arguments. Reference: seed 002, Eq. 12.
+    for the arguments; ``memory="low"`` keeps only G norms and tied sums (no G Gram
+    matrices in the report). Reference: seed 002, Eq. 12.
     """
-    ups = per_visit_updates(probe, inputs, loss_fn, forward=forward, update=update, seed=seed)
+    ups = per_visit_updates(
+        probe, inputs, loss_fn, forward=forward, update=update, seed=seed, memory=memory
+    )
     visible = [v for v in ups.visits if bool(ups.visible[v.j][v.r])]
     if not visible:
         raise ValueError(
@@ -142,7 +146,7 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
                 "grad_enabled": v.grad_enabled,
                 "grad_visible": bool(ups.visible[v.j][v.r]),
                 "U_norm": est.value if est else float("nan"),
-                "G_norm": float(ups.G[v.j][v.r].norm()),
+                "G_norm": float(ups.norms(v.j)[v.r]),
                 "converged": est.converged if est else None,
                 "iterations": est.iterations if est else 0,
                 "rel_change": est.rel_change if est else float("nan"),
@@ -155,12 +159,12 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
         R = int((visits.j == j).sum())
         row: dict[str, Any] = {"sublayer": name, "j": j, "R": R, "R_g": len(mine)}
         if len(mine) and j in sens.tied_norms:
-            G_sel = ups.G[j][ups.visible[j]]
             tied_U = sens.tied_norms[j]
-            G_tied = float(G_sel.sum(0).norm())
+            G_tied = float(ups.tied(j).norm())  # invisible visits contribute zero
             kappa = visit_kappa(tied_U.value, G_tied, list(mine.U_norm), list(mine.G_norm))
-            gram = G_sel @ G_sel.T
-            gram_G[name], cos_G[name] = gram, _cosine(gram)
+            if ups.G is not None:
+                gram = ups.gram(j)
+                gram_G[name], cos_G[name] = gram, _cosine(gram)
             if j in sens.UTw:
                 g2 = sens.UTw[j] @ sens.UTw[j].T
                 gram_UTw[name], cos_UTw[name] = g2, _cosine(g2)
@@ -175,7 +179,7 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
                 G_sum=float(mine.G_norm.sum()),
                 tied_converged=tied_U.converged,
                 converged=bool(tied_U.converged and mine.converged.all()),
-                cos_G_adjacent=_adjacent(cos_G[name]),
+                cos_G_adjacent=_adjacent(cos_G[name]) if name in cos_G else float("nan"),
             )
         else:
             row.update(kappa=float("nan"), U_tied=float("nan"), G_tied=float("nan"))

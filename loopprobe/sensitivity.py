@@ -186,13 +186,18 @@ class VisitJacobian:
         return [torch.cat([t.reshape(-1) for t in g]) for g in grads]
 
     def matvec(self, V: torch.Tensor, masks: torch.Tensor, chunk_size: int | None = None):
-        fn = vmap(self.jvp_one, randomness="same", chunk_size=chunk_size)
+        """``U_b v_b`` for every operator b: one vmapped JVP (``chunk_size=0``: a loop)."""
         with torch.no_grad():
-            return fn(V, masks)
+            if chunk_size == 0:
+                return torch.stack([self.jvp_one(v, m) for v, m in zip(V, masks, strict=True)])
+            return vmap(self.jvp_one, randomness="same", chunk_size=chunk_size)(V, masks)
 
     def rmatvec(self, U: torch.Tensor, masks: torch.Tensor, chunk_size: int | None = None):
+        """``U_b^T u_b`` for every operator b, reusing one VJP graph (``chunk_size=0``: a loop)."""
         self.vjp_fn()
         with torch.no_grad():
+            if chunk_size == 0:
+                return torch.stack([self.vjp_one(u, m) for u, m in zip(U, masks, strict=True)])
             return vmap(self.vjp_one, randomness="same", chunk_size=chunk_size)(U, masks)
 
     def transpose_all(self, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -224,9 +229,10 @@ def sensitivity_norms(
     Lanczos on ``U^T U`` (:func:`loopprobe.linalg.operator_norm_krylov`; ``tol`` on the
     Ritz residual; far fewer iterations when the top singular values are close, memory
     ``max_iter`` vectors per operator). ``generator`` draws the start vectors and the
-    probe direction w; ``seed``
-    fixes torch's RNG for every model evaluation (same dropout masks throughout);
-    ``chunk_size`` bounds how many operators are batched at once (memory).
+    probe direction w; ``seed`` fixes torch's RNG for every model evaluation (same
+    dropout masks throughout); ``chunk_size`` bounds how many operators are batched at
+    once (memory); ``chunk_size=0`` evaluates them one by one in a Python loop (the
+    unbatched baseline, and a fallback for models ``torch.vmap`` cannot batch).
     Reference: seed 002, Eq. 12 (``||U_{r,j}|| <= C_U beta/alpha``).
     """
     call = "sensitivity_norms"

@@ -40,26 +40,36 @@ class Updates:
     of sublayer j (zero rows for visits that are not gradient-visible); ``visible[j]``
     marks the gradient-visible ones. ``grad[j]`` is the raw ``d loss / d delta``.
     ``history_norm[j]`` is the norm of the optimizer-momentum part of the next step.
+    With ``memory="low"`` only ``G_norms[j]`` (R_j,) and ``G_tied[j]`` (n_j,) are kept and
+    ``G``/``grad`` are ``None``.
     """
 
     visits: list[Visit]
     sublayers: list[str]
-    G: list[torch.Tensor]
-    grad: list[torch.Tensor]
     visible: list[torch.Tensor]
+    G_norms: list[torch.Tensor]
+    G_tied: list[torch.Tensor]
     method: str
     loss: float
     history_norm: list[float] = field(default_factory=list)
+    G: list[torch.Tensor] | None = None
+    grad: list[torch.Tensor] | None = None
+    memory: str = "full"
 
     def tied(self, j: int) -> torch.Tensor:
         """``sum_r G_{r,j}``: the tied (effective) update of sublayer j, flattened."""
-        return self.G[j].sum(0)
+        return self.G_tied[j]
 
     def norms(self, j: int) -> torch.Tensor:
-        return self.G[j].norm(dim=1)
+        """``||G_{r,j}||`` for every forward visit r of sublayer j."""
+        return self.G_norms[j]
 
     def gram(self, j: int, *, visible_only: bool = True) -> torch.Tensor:
         """Gram matrix ``<G_r, G_s>`` over the visits of sublayer j."""
+        if self.G is None:
+            raise ValueError(
+                "Updates.gram: memory='low' keeps no per-visit G; rerun with memory='full'"
+            )
         g = self.G[j][self.visible[j]] if visible_only else self.G[j]
         return g @ g.T
 
@@ -78,12 +88,12 @@ class Updates:
                     "i": v.i,
                     "module": v.module,
                     "grad_visible": bool(self.visible[v.j][v.r]),
-                    "G_norm": float(self.G[v.j][v.r].norm()),
-                    "grad_norm": float(self.grad[v.j][v.r].norm()),
+                    "G_norm": float(self.G_norms[v.j][v.r]),
                 }
             )
         df = pd.DataFrame(rows)
         df.attrs["method"] = self.method
+        df.attrs["memory"] = self.memory
         return df
 
 
@@ -95,6 +105,7 @@ def per_visit_updates(
     forward: Forward | None = None,
     update: str | torch.optim.Optimizer = "sgd",
     seed: int | None = 0,
+    memory: str = "full",
 ) -> Updates:
     """``G_{r,j}`` for every visit of every sublayer from one backward pass.
 
@@ -103,10 +114,16 @@ def per_visit_updates(
     step), or a ``torch.optim.Adam``/``AdamW``/``SGD`` instance whose state is read (never
     written). ``seed``: torch's RNG is forked and seeded for the forward (same dropout
     masks as the other estimates of one report; ``None`` leaves the RNG alone).
-    Reference: seed 002, Eq. 11.
+    ``memory="full"`` stores every G (R_j x n_j per sublayer); ``"low"`` streams each
+    visit's gradient out of the backward pass as soon as it is computed and keeps only
+    the norms ``||G_{r,j}||`` and the tied sums (about one copy of the parameters; no
+    Gram matrices; a second backward for Adam, whose preconditioner needs the tied
+    gradient first). Reference: seed 002, Eq. 11.
     """
     call = "per_visit_updates"
     _check_update(update, call)
+    if memory not in ("full", "low"):
+        raise ValueError(f"{call}: memory={memory!r}; choose 'full' or 'low'")
     groups = probe.groups(inputs, forward)
     leaves: list[tuple[Visit, list[torch.Tensor]]] = []
 
@@ -126,20 +143,18 @@ def per_visit_updates(
                 f"{call}: the loss is {float(loss.detach())}; "
                 + first_nonfinite_visit(probe, inputs, forward, seed)
             )
+        counts = [sum(v.j == j for v in trace.visits) for j in range(len(groups))]
+        if memory == "low":
+            return _low_memory(loss, leaves, groups, counts, trace.visits, update, call)
         flat = [t for _, ts in leaves for t in ts]
         grads: tuple = (None,) * len(flat)
         if loss.requires_grad and flat:
             grads = torch.autograd.grad(loss, flat, allow_unused=True)
     raw = [
-        torch.zeros(
-            len([1 for v in trace.visits if v.j == j]),
-            g.sublayer.numel,
-            dtype=_dtype(g.params),
-            device=_device(g.params),
-        )
+        torch.zeros(counts[j], g.sublayer.numel, dtype=_dtype(g.params), device=_device(g.params))
         for j, g in enumerate(groups)
     ]
-    visible = [torch.zeros(len(r), dtype=torch.bool) for r in raw]
+    visible = [torch.zeros(c, dtype=torch.bool) for c in counts]
     n = 0
     for v, ts in leaves:
         parts = grads[n : n + len(ts)]
@@ -153,16 +168,95 @@ def per_visit_updates(
                 for p, t in zip(parts, ts, strict=True)
             ]
         )
-    for v in reversed(trace.visits):
-        if not torch.isfinite(raw[v.j][v.r]).all():
+    bad = [not bool(torch.isfinite(r).all()) for r in raw]  # one check per sublayer
+    _raise_first_bad(
+        trace.visits, lambda v: bad[v.j] and not torch.isfinite(raw[v.j][v.r]).all(), call
+    )
+    G, method, history = _precondition(raw, groups, update, [r.sum(0) for r in raw])
+    names = [g.sublayer.name for g in groups]
+    norms = [g.norm(dim=1) for g in G]
+    tied = [g.sum(0) for g in G]
+    loss_value = float(loss.detach())
+    return Updates(
+        trace.visits, names, visible, norms, tied, method, loss_value, history, G, raw, "full"
+    )
+
+
+def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
+    for v in reversed(visits):
+        if is_bad(v):
             raise FloatingPointError(
                 f"{call}: non-finite gradient at visit r={v.r} of sublayer {v.sublayer!r} "
                 f"(module {v.module!r}, execution index {v.i}), the first such visit in "
                 "backward order"
             )
-    G, method, history = _precondition(raw, groups, update, visible)
+
+
+def _low_memory(loss, leaves, groups, counts, visits, update, call) -> Updates:
+    """Norms and tied sums streamed from the backward pass (no per-visit storage)."""
+    flat = [(v, k, t) for v, ts in leaves for k, t in enumerate(ts)]
+    offsets = [[0] for _ in groups]
+    for g, off in zip(groups, offsets, strict=True):
+        for p in g.params:
+            off.append(off[-1] + p.numel())
+
+    def stream(scale: list[torch.Tensor] | None, retain: bool) -> tuple:
+        tied = [
+            torch.zeros(g.sublayer.numel, dtype=_dtype(g.params), device=_device(g.params))
+            for g in groups
+        ]
+        sq = [
+            torch.zeros(c, dtype=torch.float64, device=t.device)
+            for c, t in zip(counts, tied, strict=True)
+        ]
+        seen = [torch.zeros(c, dtype=torch.bool) for c in counts]
+        finite = [
+            torch.ones(c, dtype=torch.bool, device=t.device)
+            for c, t in zip(counts, tied, strict=True)
+        ]
+        handles = []
+
+        def hook_for(v: Visit, k: int) -> Any:
+            a, b = offsets[v.j][k], offsets[v.j][k + 1]
+
+            def hook(leaf: torch.Tensor) -> None:
+                g = leaf.grad.reshape(-1)
+                leaf.grad = None  # free it now: this is the point of the low-memory mode
+                if scale is not None:
+                    g = g * scale[v.j][a:b]
+                tied[v.j][a:b] += g
+                sq[v.j][v.r] += g.double().square().sum()
+                finite[v.j][v.r] &= torch.isfinite(g).all()
+                seen[v.j][v.r] = True
+
+            return hook
+
+        for v, k, t in flat:
+            handles.append(t.register_post_accumulate_grad_hook(hook_for(v, k)))
+        try:
+            if loss.requires_grad and flat:
+                torch.autograd.backward(loss, inputs=[t for _, _, t in flat], retain_graph=retain)
+        finally:
+            for h in handles:
+                h.remove()
+        return tied, sq, seen, finite
+
+    sgd = isinstance(update, str) and update.lower() == "sgd"
+    tied, sq, seen, finite = stream(None, retain=not sgd)
+    _raise_first_bad(visits, lambda v: not bool(finite[v.j][v.r]), call)
+    scale_list = None
+    method = "sgd: G = dL/d delta (the step is -lr * G)"
+    history = [0.0] * len(groups)
+    if not sgd:
+        ones = [torch.ones(1, t.numel(), dtype=t.dtype, device=t.device) for t in tied]
+        G1, method, history = _precondition(ones, groups, update, tied)
+        scale_list = [g[0] for g in G1]
+        tied, sq, seen, finite = stream(scale_list, retain=False)
     names = [g.sublayer.name for g in groups]
-    return Updates(trace.visits, names, G, raw, visible, method, float(loss.detach()), history)
+    norms = [s.sqrt().to(t.dtype) for s, t in zip(sq, tied, strict=True)]
+    return Updates(
+        visits, names, seen, norms, tied, method, float(loss.detach()), history, None, None, "low"
+    )
 
 
 def first_nonfinite_visit(
@@ -200,8 +294,10 @@ def _check_update(update: Any, call: str) -> None:
 
 
 def _precondition(
-    raw: list[torch.Tensor], groups: list, update: Any, visible: list[torch.Tensor]
+    raw: list[torch.Tensor], groups: list, update: Any, tieds: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], str, list[float]]:
+    """Effective updates ``P (.) raw`` with the preconditioner built from the tied
+    gradients ``tieds``; also the rule used and the momentum-history norms."""
     if isinstance(update, str) and update.lower() == "sgd":
         return raw, "sgd: G = dL/d delta (the step is -lr * G)", [0.0] * len(raw)
     if isinstance(update, str):
@@ -215,7 +311,7 @@ def _precondition(
     G, history = [], []
     stepped = []
     for j, g in enumerate(groups):
-        tied = raw[j].sum(0)
+        tied = tieds[j]
         if opt_cls is torch.optim.SGD:
             G_j, hist, t = _sgd(raw[j], tied, g.params, update, states)
         else:

@@ -196,6 +196,7 @@ class Probe:
         self._groups: list[_Group] | None = None
         self._closed = False
         self._last_outside: list[tuple[int, str]] = []
+        self._owners: list | None = None
         self._pnames = _param_names(model)
 
     # -- context manager ---------------------------------------------------------
@@ -413,7 +414,11 @@ class Probe:
 
             return hook
 
-        names = {id(m): n for n, m in self.model.named_modules()}
+        if self._owners is None:
+            names = {id(m): n for n, m in self.model.named_modules()}
+            self._owners = [
+                [(o, names.get(id(o), "?")) for o in g.owners(self.model)] for g in groups
+            ]
         with _restored(self.model):
             try:
                 for j, g in enumerate(groups):
@@ -424,9 +429,8 @@ class Probe:
                         handles.append(
                             m.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
                         )
-                    for owner in g.owners(self.model):
-                        hook = owner_hook(j, names.get(id(owner), "?"))
-                        handles.append(owner.register_forward_pre_hook(hook))
+                    for owner, oname in self._owners[j]:
+                        handles.append(owner.register_forward_pre_hook(owner_hook(j, oname)))
                 yield trace
             finally:
                 for h in handles:

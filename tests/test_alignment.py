@@ -199,3 +199,13 @@ def test_exception_mid_probe_leaves_model_hooks_and_mode_as_they_were():
     assert model.training
     for n, p in model.named_parameters():
         assert p is params[n][0] and torch.equal(p, params[n][1])
+
+
+def test_low_memory_alignment_gives_the_same_kappa_without_G_gram_matrices():
+    model = make(SharedBlockModel, R=3)
+    x, target = randn(3, 6), randn(3, 3, seed=7)
+    probe = lp.attach(model)
+    full = visit_alignment(probe, x, mse(target), max_iter=10)
+    low = visit_alignment(probe, x, mse(target), max_iter=10, memory="low")
+    assert low.kappa == pytest.approx(full.kappa, rel=1e-12)
+    assert low.gram_G == {} and "block" in low.gram_UTw

@@ -175,3 +175,28 @@ def test_krylov_operator_norm_matches_svd_on_matrices_with_nearly_equal_top_valu
         assert kry[k].converged and kry[k].method == "lanczos"
         assert kry[k].value == pytest.approx(float(S[k, 0]), rel=1e-12)
         assert not power[k].converged  # the power method cannot separate them in 40 steps
+
+
+def test_visit_by_visit_loop_gives_the_same_estimates_as_the_batched_run():
+    model = make(SharedBlockModel, R=3)
+    x = randn(2, 6)
+    probe = lp.attach(model)
+    batched = sensitivity_norms(probe, x, max_iter=15)
+    looped = sensitivity_norms(probe, x, max_iter=15, chunk_size=0)
+    for a, b in zip(batched.visit_norms, looped.visit_norms, strict=True):
+        assert a.value == pytest.approx(b.value, rel=1e-12)
+
+
+def test_non_finite_output_names_the_first_visit_where_it_appears():
+    class Overflow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(4):
+                x = self.lin(x) * 1e160
+            return x
+
+    with pytest.raises(FloatingPointError, match=r"visit r=2 of sublayer 'lin'"):
+        sensitivity_norms(lp.attach(make(Overflow)), randn(2, 4), visits=None)

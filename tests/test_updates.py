@@ -166,3 +166,19 @@ def test_bad_update_argument_raises_with_the_allowed_values():
     opt = torch.optim.RMSprop(model.parameters())
     with pytest.raises(TypeError, match="not supported"):
         per_visit_updates(lp.attach(model), randn(2, 6), lambda o, _: o.sum(), update=opt)
+
+
+@pytest.mark.parametrize("update", ["sgd", "adam"])
+def test_low_memory_mode_streams_the_same_norms_and_tied_sums_without_storing_G(update):
+    model = make(TruncatedModel, C=2, C_L=3)
+    x, target = randn(4, 6), randn(4, 6, seed=7)
+    probe = lp.attach(model)
+    full = per_visit_updates(probe, x, mse(target), update=update)
+    low = per_visit_updates(probe, x, mse(target), update=update, memory="low")
+    assert low.G is None and low.memory == "low" and low.method == full.method
+    for j in range(2):
+        torch.testing.assert_close(low.norms(j), full.norms(j), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(low.tied(j), full.tied(j), rtol=1e-12, atol=1e-14)
+        assert torch.equal(low.visible[j], full.visible[j])
+    with pytest.raises(ValueError, match="memory='full'"):
+        low.gram(0)
