@@ -14,6 +14,10 @@ Checks:
   (here C'' = eta C_U C_G exactly) with relative slack 1e-9, and every kappa_j lies in
   [0, R]; ``target`` pushes the ratio up; ``@example`` pins K = R = 1 (one visit, only
   submultiplicativity is lost) and an aligned case.
+- rate (Eq. 13 with the measured kappa_R): ``lp.bound_check`` on the same sweep (d = 8)
+  reports ||Delta F|| / ||F|| after one real SGD step and kappa_R (Lanczos on JVP/VJP);
+  the implied constant C = (||Delta F|| / ||F||) / (M kappa_R (beta/alpha)^2) stays within a
+  factor 2 over R = 1..8 and both exponents.
 - rate (Cor. A.6) on the reference LoopedGPT at init (K = 2, R = 1..8, one SGD step,
   lr 1e-3): visits are close to aligned (the post-norm stream moves by O(beta/alpha) per
   visit), and the implied constant ||Delta F|| / (eta M R (beta/alpha)^2) stays within a
@@ -47,7 +51,7 @@ from proofs_check._common import (
     tokens,
 )
 from proofs_check._registry import Outcome, Profile, statement, wrong_variant
-from proofs_check.exponent_threshold import LR, tied_sweep
+from proofs_check.exponent_threshold import LR, _rs, lp_sweep, tied_sweep
 
 REF = "seed 002, Eq. 13-14, Prop. A.5, Cor. A.6"
 TOL = 0.15
@@ -99,8 +103,19 @@ def check_bound(profile: Profile) -> Outcome:
     )
 
 
-def _rs(profile: Profile) -> tuple[int, ...]:
-    return (1, 2, 4, 8, 16) if profile.wide else (1, 2, 4, 8)
+@statement("Eq 13 measured: C = ||dF|| / (M kappa_R (beta/alpha)^2) flat in R", REF, "rate")
+def check_measured_kappa(profile: Profile) -> Outcome:
+    Rs = _rs(profile)
+    rows = {n: lp_sweep(n, Rs) for n in ("deepnorm", "deeploop")}
+    C = [r["C"] for rs in rows.values() for r in rs]
+    conv = all(r["converged"] for rs in rows.values() for r in rs)
+    kap = ", ".join(f"{n} {rs[-1]['kappa']:.2f}" for n, rs in rows.items())
+    state = "converged" if conv else "NOT converged"
+    return Outcome(
+        band(C) <= 2 and conv,
+        f"C band {band(C):.3f} <= 2 over R={list(Rs)} x (p=1/4, 1/2); measured kappa_R at "
+        f"R={Rs[-1]}: {kap} (lp.bound_check, Lanczos, {state})",
+    )
 
 
 def _constants(profile: Profile, count: str) -> dict[str, list[float]]:
