@@ -30,6 +30,14 @@ from loopprobe.fixedpoint import (
     round_residuals,
     spectral_radius,
 )
+from loopprobe.increments import (
+    Growth,
+    Increments,
+    growth_sweep,
+    increments,
+    reference_growth,
+    regime_name,
+)
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov, operator_norm_lanczos
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
@@ -38,6 +46,12 @@ from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, att
 
 __all__ = [
     "__version__",
+    "Growth",
+    "Increments",
+    "growth_sweep",
+    "increments",
+    "reference_growth",
+    "regime_name",
     "AlignmentReport",
     "BoundCheck",
     "BoundSweep",
