@@ -1,0 +1,105 @@
+"""``loopprobe report``: every diagnostic on one model, as a browsable report.
+
+Example::
+
+    loopprobe report                                  # embedded default, ./loopprobe-report
+    loopprobe report --quick --out /tmp/r             # smaller sizes (tests, a first look)
+    loopprobe report --sections alignment             # recompute one section
+    loopprobe report --model mypkg.models:make --inputs mypkg.data:batch
+
+Writes ``index.html`` (tables, PNG figures, the command behind each figure),
+``results.json`` and tidy CSVs, and prints a summary table. Exit status: 0, 1 if a
+section failed, 2 on bad input (nothing is computed then).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from loopprobe import report
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="run every diagnostic and write index.html, results.json, figures and CSVs",
+        description=(
+            "Without --model: the reference LoopedGPT at a size for 2 CPU cores; DeepNorm vs "
+            "DeepLoop over R (kappa_R, bound check and slopes), pre-norm 1/sqrt(N) vs 1/N over "
+            "an N ladder (increment growth), fixed-point diagnostics on recall variants. With "
+            "--model: every diagnostic that applies to that model, and why the others were "
+            "skipped."
+        ),
+    )
+    parser.add_argument("--out", default="loopprobe-report", help="output directory")
+    parser.add_argument("--model", default=None, help="package.module:factory -> nn.Module")
+    parser.add_argument(
+        "--inputs",
+        default=None,
+        help="package.module:fn; fn(model) or fn() -> the model's inputs (tensor or tuple)",
+    )
+    parser.add_argument(
+        "--loss",
+        default=None,
+        help="package.module:fn; loss(output, inputs) -> scalar (default: mean square of F)",
+    )
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="package.module:fn; output(out) -> the tensor F (default: logits or first tensor)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
+    parser.add_argument(
+        "--sections",
+        default=None,
+        help=f"comma-separated subset of {','.join(s.key for s in report.SECTIONS)}",
+    )
+    parser.add_argument("--no-cache", action="store_true", help="recompute every sweep cell")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: tiny models run faster without intra-op threads)",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.inputs is not None and args.model is None:
+        raise ValueError("--inputs needs --model (the reference model makes its own inputs)")
+    for flag in ("loss", "output"):
+        if getattr(args, flag) is not None and args.model is None:
+            raise ValueError(f"--{flag} needs --model (the reference model brings its own)")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    sections = [s.strip() for s in args.sections.split(",")] if args.sections else None
+    keys = [s.key for s in report.SECTIONS]
+    if sections and any(s not in keys for s in sections):
+        bad = [s for s in sections if s not in keys]
+        raise ValueError(f"--sections: unknown {bad}; choose from {','.join(keys)}")
+    report.check_out_dir(args.out)  # before any computation
+    cfg = report.ReportConfig.quick() if args.quick else report.ReportConfig()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        user = None
+        if args.model is not None:
+            user = report.load_user_model(
+                args.model, args.inputs, args.loss, seed=cfg.seed, output_spec=args.output
+            )
+        results = report.run_report(
+            args.out,
+            cfg,
+            user=user,
+            sections=sections,
+            cache=not args.no_cache,
+            progress=not args.no_progress,
+            command=report.main_command(),
+        )
+    finally:
+        torch.set_num_threads(previous)
+    failed = [k for k, s in results["sections"].items() if s["status"] == "failed"]
+    return 1 if failed else 0
