@@ -121,6 +121,13 @@ def _reference_slope(ax: Axes, xs: np.ndarray, ys: np.ndarray, slope: float, lab
     ax.plot(grid, np.exp(c) * grid**slope, label=label, **_REF)
 
 
+def _side_legend(fig: Figure, ax: Axes, title: str | None = None) -> None:
+    """One legend for a multi-panel figure, outside on the right (never over the data)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside right upper", fontsize="small", title=title)
+
+
 def _log_y(ax: Axes) -> None:
     """Log y axis; plain ``%.3g`` labels when the data spans less than a decade."""
     ax.set_yscale("log")
@@ -260,7 +267,7 @@ def visit_norms(
             _log_y(ax)
         ax.set(xlabel="visit r", ylabel=label, title=label)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    axes[0, -1].legend(fontsize="small", title="sublayer j" if sublayer else None)
+    _side_legend(fig, axes[0, -1], title="sublayer j" if sublayer else None)
     fig.suptitle(title)
     return fig
 
@@ -406,7 +413,7 @@ def coord_check(
             _log_y(ax)
         ax.set(xlabel="N (loops)", title=f"{col} {step}")
     axes[0, 0].set_ylabel(y)
-    axes[0, -1].legend(fontsize="x-small")
+    _side_legend(fig, axes[0, -1], title=hue)
     fig.suptitle(title)
     return fig
 
