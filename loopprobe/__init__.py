@@ -15,6 +15,11 @@ from loopprobe.alignment import (
     visit_alignment,
     visit_kappa,
 )
+from loopprobe.coordcheck import (
+    CoordCheck,
+    coord_check,
+    reference_coord_check,
+)
 from loopprobe.finitestep import FiniteStep, finite_step, path_gains, reference_logprob
 from loopprobe.fixedpoint import (
     FixedPoint,
@@ -38,7 +43,19 @@ from loopprobe.increments import (
     reference_growth,
     regime_name,
 )
+from loopprobe.instability import (
+    Instability,
+    InstabilityRecorder,
+    branch_gain,
+    instability,
+    record_training,
+)
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov, operator_norm_lanczos
+from loopprobe.lrtransfer import (
+    LRTransfer,
+    lr_transfer,
+    reference_lr_transfer,
+)
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
 from loopprobe.updates import Updates, per_visit_updates
@@ -46,6 +63,17 @@ from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, att
 
 __all__ = [
     "__version__",
+    "LRTransfer",
+    "lr_transfer",
+    "reference_lr_transfer",
+    "Instability",
+    "InstabilityRecorder",
+    "branch_gain",
+    "instability",
+    "record_training",
+    "CoordCheck",
+    "coord_check",
+    "reference_coord_check",
     "Growth",
     "Increments",
     "growth_sweep",

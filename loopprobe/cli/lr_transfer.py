@@ -1,0 +1,128 @@
+"""``loopprobe lr-transfer``: loss vs learning rate per loop count N, and the argmin's drift.
+
+Example::
+
+    loopprobe lr-transfer --residual 1/sqrt(N),1/N --N 1,2,4,8 \\
+        --lr 1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2 --steps 150 --out lr/ --cache .lp-cache
+
+Trains the pre-norm reference LoopedGPT (one block looped N times) on byte-level stdlib
+text for ``--steps`` AdamW steps per (rule, N, lr, seed), evaluates the held-out loss,
+and prints the best lr per N and its drift across N in grid steps (positive = moves
+right). Writes ``lr_transfer.csv`` and ``lr_transfer.png`` with ``--out``. Cells are
+cached with ``--cache`` (an interrupted run resumes). Reference: seed 004; issue 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pathlib
+
+import torch
+
+from loopprobe.cli._common import int_list, print_json
+from loopprobe.models.gpt import RESIDUALS
+
+_lt = importlib.import_module("loopprobe.lrtransfer")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1e-3,2e-3, got {text!r}") from err
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1e-3,2e-3, got {text!r}")
+    return values
+
+
+def _residuals(text: str) -> list[str]:
+    values = [t.strip() for t in text.split(",") if t.strip()]
+    if not values or any(v not in RESIDUALS for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--residual {text!r}: each must be one of {', '.join(RESIDUALS)}"
+        )
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "lr-transfer",
+        help="loss vs learning rate per loop count N; best lr per N and its drift",
+        description=(
+            "Short training runs of the pre-norm reference model over an lr x N grid per "
+            "residual rule; reports the argmin lr per N and its drift in grid steps."
+        ),
+    )
+    parser.add_argument("--residual", type=_residuals, default=["1/sqrt(N)", "1/N"])
+    parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8])
+    parser.add_argument("--lr", type=_floats, default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2])
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--d-model", dest="d_model", type=int, default=64)
+    parser.add_argument("--n-heads", dest="n_heads", type=int, default=4)
+    parser.add_argument("--seq-len", dest="seq_len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--eval-batches", dest="eval_batches", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--cache", default=None, help="cache directory (resumable)")
+    parser.add_argument("--out", default=None, help="directory for lr_transfer.csv and .png")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds}: give at least 1")
+    lt = _lt.reference_lr_transfer(
+        args.residual,
+        args.N,
+        args.lr,
+        list(range(args.seeds)),
+        steps=args.steps,
+        d_model=args.d_model,
+        n_heads=args.n_heads,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        eval_batches=args.eval_batches,
+        cache_dir=args.cache,
+        progress=args.progress,
+    )
+    best, drift, df = lt.best(), lt.drift(), lt.to_frame()
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        df.to_csv(out / "lr_transfer.csv", index=False)
+        lt.plot().savefig(out / "lr_transfer.png", dpi=110)
+    if args.json:
+        print_json(
+            {
+                **lt.config,
+                "lrs": lt.lrs,
+                "best": best.to_dict("records"),
+                "drift": drift.to_dict("records"),
+                "rows": df[["residual", "N", "lr", "seed", "loss", "diverged"]].to_dict("records"),
+            }
+        )
+        return 0
+    print(
+        f"lr transfer: pre-norm LoopedGPT K=1, d_model={args.d_model}, seq_len={args.seq_len}, "
+        f"batch={args.batch}, {args.steps} AdamW steps, {args.seeds} seed(s); held-out loss"
+    )
+    table = df[~df["diverged"]].pivot_table(index=["residual", "N"], columns="lr", values="loss")
+    print(table.to_string(float_format=lambda v: f"{v:.3f}"))
+    n_div = int(df["diverged"].sum())
+    if n_div:
+        print(f"diverged cells: {n_div}")
+    for row in drift.to_dict("records"):
+        lrs = ", ".join(f"{x:g}" for x in row["best_lr"])
+        d = row["drift"]
+        d = f"{d:+d}" if isinstance(d, int) else str(d)
+        print(
+            f"{row['residual']}: best lr per N {row['N']} = [{lrs}]; drift {d} "
+            f"grid steps, spread {row['spread']}" + (" (at the grid edge)" if row["edge"] else "")
+        )
+    return 0
