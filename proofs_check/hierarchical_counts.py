@@ -175,8 +175,8 @@ def _per_visit_hrm(C: int, K_H: int, C_L: int, K_L: int, seed: int):
     for n, v in enumerate(visits):
         Ur = torch.cat([t.reshape(F0.numel(), -1) for t in J[n]], 1)
         Us, Gs = per_j.setdefault(v.j, ([], []))
-        Us.append(Ur)
-        Gs.append(Ur.t() @ dLdF)
+        Us.append(Ur.detach())
+        Gs.append((Ur.t() @ dLdF).detach())
     rep = lp.visit_alignment(
         probe, idx, lambda out, inp: cross_entropy(out, tgt), method="lanczos", max_iter=30
     )

@@ -9,16 +9,18 @@ eps = lambda / (N sqrt L) keeps the forward pass O(1) in both N and L.
 
 Checks (rate; the reference LoopedGPT, Pre-LN, at initialisation, float32, d = 32, a batch
 of 4 x 16 random tokens, mean over seeds). An increment is a residual branch's output as
-added to the stream, recorded per visit with ``lp.attach(model).record``.
-- how increments add: the coherence ratio rho = ||sum_i inc_i||^2 / sum_i ||inc_i||^2 over
-  all visits (1 = uncorrelated, = number of visits when aligned) grows like N for one
-  shared block looped N times (slope 1 +- 0.15 over N = 1..32, eps = 1) and stays flat for
-  L distinct blocks (slope 0 +- 0.15 over L = 1..32). We test rho rather than ||sum inc||
-  because at this scale the size of each increment still changes over the first few
-  layers (the embedding is small), which tilts ||sum inc|| for distinct layers to
-  L^0.6; the figure shows those raw slopes too.
-- eps = lambda/(N sqrt L), lambda = 1: RMS(h_N - h_0) has log-log slope within 0.15 of 0
-  in N (L = 2, N = 1..32) and in L (N = 4, L = 1..16).
+added to the stream, recorded per visit by ``lp.increments``.
+- how increments add: the coherence ratio rho = ||sum_r inc_r||^2 / sum_r ||inc_r||^2 of a
+  group of visits (1 = uncorrelated, = number of visits when aligned; averaged over the
+  groups: a shared sublayer's visits, or one role ``blocks.*.attn`` of an untied stack)
+  grows like N for one shared block looped N times (slope 1 +- 0.15 over N = 1..32,
+  eps = 1) and stays flat for L distinct blocks (slope 0 +- 0.15 over L = 1..32). We test
+  rho rather than ||sum inc|| because at this scale the size of each increment still
+  changes over the first few layers (the embedding is small), which tilts ||sum inc|| for
+  distinct layers to L^0.6; the figure shows those raw slopes too.
+- eps = lambda/(N sqrt L), lambda = 1: RMS(h_N - h_0) (``lp.increments``' growth times
+  RMS(h_0)) has log-log slope within 0.15 of 0 in N (L = 2, N = 1..32) and in L (N = 4,
+  L = 1..16).
 
 Wrong variants: eps = 1/sqrt(N) (depth-muP, N = loops, L = 1) keeps the looped forward
 O(1) -- measured slope ~0.6; eps = 1/N without the 1/sqrt(L) factor keeps it O(1) in L --
@@ -35,7 +37,6 @@ import functools
 import math
 
 import numpy as np
-import torch
 
 import loopprobe as lp
 from proofs_check._common import loglog_slope, tiny_gpt, tokens
@@ -63,31 +64,30 @@ def _model(K: int, R: int, tied: bool, residual: str, seed: int, lam: float = 1.
     return m.float()
 
 
+def _increments(K: int, R: int, tied: bool, residual: str, seed: int, lam: float = 1.0):
+    m = _model(K, R, tied, residual, seed, lam)
+    idx, _ = tokens(64, B, T, seed)
+    return lp.increments(m, idx)
+
+
 @functools.cache
 def coherence(K: int, R: int, tied: bool, seeds: int) -> tuple[float, float]:
-    """Mean over seeds of (rho, RMS of the summed increments); eps = 1."""
+    """Mean over seeds of (rho averaged over groups, RMS(h_N - h_0)); eps = 1."""
     rhos, sums = [], []
     for s in range(seeds):
-        m = _model(K, R, tied, "none", s)
-        idx, _ = tokens(64, B, T, s)
-        rec = lp.attach(m, sublayers=m.loopprobe_sublayers).record(idx)
-        incs = [v.output for v in rec.visits]
-        total = sum(incs)
-        rhos.append(float(total.pow(2).sum() / sum(i.pow(2).sum() for i in incs)))
-        sums.append(float(total.pow(2).mean().sqrt()))
+        inc = _increments(K, R, tied, "none", s)
+        rhos.append(inc.mean_ratio)
+        sums.append(inc.growth * inc.h0_rms)
     return float(np.mean(rhos)), float(np.mean(sums))
 
 
 @functools.cache
 def growth(K: int, R: int, residual: str, seeds: int, lam: float = 1.0) -> float:
-    """Mean RMS(h_N - h_0) of the tied loop at init."""
+    """Mean RMS(h_N - h_0) of the tied loop at init (lp.increments: growth * RMS(h_0))."""
     vals = []
     for s in range(seeds):
-        m = _model(K, R, True, residual, s, lam)
-        idx, _ = tokens(64, B, T, s)
-        with torch.no_grad():
-            x = m.embed(idx)
-            vals.append(float((m.loop(x) - x).pow(2).mean().sqrt()))
+        inc = _increments(K, R, True, residual, s, lam)
+        vals.append(inc.growth * inc.h0_rms)
     return float(np.mean(vals))
 
 
