@@ -54,6 +54,8 @@ def visit_kappa(
 class AlignmentReport:
     """kappa_R, one row per physical sublayer, one row per visit, and the Gram matrices.
 
+    ``kappa_bar = sum_j R_j kappa_j / M_g`` is the visit-weighted aggregate of Eq. 21
+    (``M_g kappa_bar`` is the per-sublayer sum of Eq. 20, never above ``M_g kappa_R``).
     ``gram_G[name]``/``cos_G[name]``: visit Gram and cosine matrices of ``G_{.,j}``;
     ``gram_UTw``/``cos_UTw``: the same for ``U_{.,j}^T w``. ``M``/``M_g``: forward- and
     gradient-visible visits (measured). ``update`` says which effective update G is.
@@ -71,6 +73,7 @@ class AlignmentReport:
     update: str
     F_norm: float
     loss: float
+    kappa_bar: float = float("nan")
     updates: Updates | None = field(default=None, repr=False)
     sensitivity: Sensitivity | None = field(default=None, repr=False)
 
@@ -185,19 +188,23 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
             row.update(kappa=float("nan"), U_tied=float("nan"), G_tied=float("nan"))
         srows.append(row)
     finite = [k for k in kappas if not math.isnan(k)]
+    sub = pd.DataFrame(srows)
+    M_g = int(visits.grad_visible.sum())
+    weighted = (sub.R_g * sub.kappa).sum(skipna=True)
     return AlignmentReport(
         kappa=max(finite) if finite else float("nan"),
-        sublayers=pd.DataFrame(srows),
+        sublayers=sub,
         visits=visits,
         gram_G=gram_G,
         cos_G=cos_G,
         gram_UTw=gram_UTw,
         cos_UTw=cos_UTw,
         M=len(ups.visits),
-        M_g=int(visits.grad_visible.sum()),
+        M_g=M_g,
         update=ups.method,
         F_norm=sens.F_norm,
         loss=ups.loss,
+        kappa_bar=float(weighted / M_g) if M_g else float("nan"),
         updates=ups,
         sensitivity=sens,
     )
@@ -236,6 +243,8 @@ class BoundCheck:
     prediction: float
     C: float
     C_first: float
+    kappa_bar: float = float("nan")
+    prediction_sum: float = float("nan")
     report: AlignmentReport | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -272,7 +281,8 @@ def bound_check(
     ``||F(theta + dtheta) - F(theta)|| / ||F||``. ``alpha``/``beta`` default to
     ``model.cfg.alpha``/``.beta``. The prediction uses the gradient-visible count
     ``M_g`` (equal to M without truncation; seed 002, Eq. 21) and
-    ``C = dF_true / prediction``. Reference: seed 002, Eq. 13-14.
+    ``C = dF_true / prediction``; ``prediction_sum`` is the finer per-sublayer form
+    ``sum_j R_j kappa_j (beta/alpha)^2`` (Eq. 20). Reference: seed 002, Eq. 13-14, 20.
     """
     call = "bound_check"
     if scope not in ("looped", "all"):
@@ -327,6 +337,8 @@ def bound_check(
         prediction=prediction,
         C=dF_true / prediction,
         C_first=dF_first / prediction,
+        kappa_bar=report.kappa_bar,
+        prediction_sum=report.M_g * report.kappa_bar * (beta / alpha) ** 2,
         report=report,
     )
 

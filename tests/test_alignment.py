@@ -10,7 +10,14 @@ import torch.nn.functional as Fn
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_sensitivity import dense_blocks, top_sv
-from thirdparty_models import ForLoopModel, SharedBlockModel, TruncatedModel, make, randn
+from thirdparty_models import (  # noqa: F401 (one_thread: autouse fixture)
+    ForLoopModel,
+    SharedBlockModel,
+    TruncatedModel,
+    make,
+    one_thread,
+    randn,
+)
 from torch import nn
 
 import loopprobe as lp
@@ -209,3 +216,29 @@ def test_low_memory_alignment_gives_the_same_kappa_without_G_gram_matrices():
     low = visit_alignment(probe, x, mse(target), max_iter=10, memory="low")
     assert low.kappa == pytest.approx(full.kappa, rel=1e-12)
     assert low.gram_G == {} and "block" in low.gram_UTw
+
+
+def test_kappa_bar_is_the_visit_weighted_mean_of_kappa_j_and_at_most_kappa_R():
+    model = make(TruncatedModel, C=2, C_L=3)
+    x, target = randn(3, 6), randn(3, 6, seed=7)
+    rep = visit_alignment(lp.attach(model), x, mse(target), max_iter=20)
+    sub = rep.sublayers
+    assert rep.kappa_bar == pytest.approx(float((sub.R_g * sub.kappa).sum()) / rep.M_g)
+    assert rep.kappa_bar <= rep.kappa
+
+
+def test_acceptance_deepnorm_change_grows_like_R_deeploop_stays_flat_C_within_factor_two():
+    # LoopedGPT at init, K=2, R in {1,...,16}, one SGD step (seed 002, Eq. 13-16).
+    def sweep(norm):
+        def factory(R):
+            cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_heads=2, K=2, R=R, norm=norm)
+            return LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).double()
+
+        return bound_sweep(
+            factory, [1, 2, 4, 8, 16], IDX, lm_loss, lr=1e-2, method="lanczos", max_iter=8
+        )
+
+    deepnorm, deeploop = sweep("deepnorm"), sweep("deeploop")
+    assert deepnorm.slope == pytest.approx(1.0, abs=0.15)
+    assert deeploop.slope == pytest.approx(0.0, abs=0.15)
+    assert deepnorm.C_ratio < 2.0 and deeploop.C_ratio < 2.0

@@ -15,6 +15,7 @@ from thirdparty_models import (
     SharedBlockModel,
     TruncatedModel,
     make,
+    one_thread,  # noqa: F401 (autouse fixture)
     randn,
 )
 
