@@ -386,14 +386,16 @@ def coord_check(
     hue: str | None = "group",
     max_cols: int = 4,
     logy: bool = True,
+    ylabel: str | None = None,
     title: str = "Coordinate check across loop count N",
 ) -> Figure:
     """One panel per optimizer step, N on a log2 x axis, one line per sublayer group.
 
     Columns: ``x`` (N), ``y`` (activation size or its change since step 0, e.g. RMS),
     ``col`` (step; one panel each, at most ``max_cols`` spread evenly), ``hue`` (sublayer
-    or visit group). Seeds are averaged. Flat lines mean the parameterization is stable in
-    N (the looped analogue of mup's coord check). Reference: DESIGN.md §5; issue 4.
+    or visit group). ``ylabel`` defaults to ``y``. Seeds are averaged. Flat lines mean the
+    parameterization is stable in N (the looped analogue of mup's coord check).
+    Reference: DESIGN.md §5; issue 4.
     """
     df = _frame("coord_check", df, {"x": x, "y": y, "col": col, "hue": hue})
     steps = sorted(df[col].unique())
@@ -412,7 +414,7 @@ def coord_check(
         if logy:
             _log_y(ax)
         ax.set(xlabel="N (loops)", title=f"{col} {step}")
-    axes[0, 0].set_ylabel(y)
+    axes[0, 0].set_ylabel(ylabel or y)
     _side_legend(fig, axes[0, -1], title=hue)
     fig.suptitle(title)
     return fig

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import html
@@ -89,8 +90,15 @@ class ReportConfig:
     rules: tuple[str, ...] = ("1/sqrt(N)", "1/N")
     tyings: tuple[str, ...] = ("tied", "untied")
     seeds: tuple[int, ...] = (0, 1, 2)
-    fp_R: int = 8  # rounds of the fixed-point model
+    cc_schemes: tuple[str, ...] = ("pre:1/sqrt(N)", "pre:1/N")  # coordinate check
+    cc_Ns: tuple[int, ...] = (1, 2, 4, 8, 16)
+    cc_steps: int = 3
+    fp_R: int = 4  # rounds of the fixed-point model (one block, its own size)
+    fp_d_model: int = 32
+    fp_seq_len: int = 16
     fp_variants: tuple[tuple[str, bool], ...] = (("add", True), ("none", True))
+    fp_task: str = "prefix_sums"  # trained on briefly before the fixed-point probe
+    fp_train_steps: int = 40
     fp_max_iter: int = 200
     seed: int = 0
 
@@ -106,6 +114,8 @@ class ReportConfig:
             power_iters=10,
             Ns=(1, 2, 4, 8),
             seeds=(0,),
+            cc_Ns=(1, 2, 4, 8),
+            cc_steps=2,
             fp_max_iter=100,
         )
 
@@ -400,20 +410,8 @@ def alignment_section(ctx: Context) -> Result:
         return _alignment_user(ctx)
     cfg = ctx.cfg
     cells = grid(norm=list(cfg.norms), R=list(cfg.Rs))
-    extra = {
-        k: getattr(cfg, k)
-        for k in (
-            "vocab_size",
-            "seq_len",
-            "d_model",
-            "n_heads",
-            "batch",
-            "K",
-            "lr",
-            "power_iters",
-            "seed",
-        )
-    }
+    names = "vocab_size seq_len d_model n_heads batch K lr power_iters seed".split()
+    extra = {k: getattr(cfg, k) for k in names}
     df = sweep(
         [{**c, **extra} for c in cells],
         _alignment_cell,
@@ -426,21 +424,8 @@ def alignment_section(ctx: Context) -> Result:
     if df.empty:
         raise RuntimeError(f"every alignment cell failed: {failed['error'].iloc[0]}")
     keys = ["norm", "R"]
-    bound = _split(df, "bound")[
-        keys
-        + [
-            "kappa",
-            "M",
-            "M_g",
-            "alpha",
-            "beta",
-            "dF_first",
-            "dF_true",
-            "prediction",
-            "C",
-            "U_converged",
-        ]
-    ]
+    cols = "kappa M M_g alpha beta dF_first dF_true prediction C U_converged".split()
+    bound = _split(df, "bound")[keys + cols]
     visits, cos = _split(df, "visit"), _split(df, "cosine")
     Rmax, show = max(cfg.Rs), cfg.norms[0]
     predicted = plots.predicted_slopes(list(cfg.norms))
@@ -686,6 +671,100 @@ def _increments_user(ctx: Context, inc: Any) -> Result:
     )
 
 
+def coordcheck_section(ctx: Context) -> Result:
+    """mup-style coordinate check across N: ‖Δh_N‖ since step 0 per residual rule."""
+    ccm = _need("loopprobe.coordcheck", 4)
+    if ctx.user is not None:
+        raise Skip(
+            "needs a family of models over N (make_model(N, seed)); call "
+            "lp.coord_check(make_model, batch_fn, probe_inputs) from Python"
+        )
+    cfg = ctx.cfg
+    cc = ccm.reference_coord_check(
+        list(cfg.cc_schemes),
+        Ns=list(cfg.cc_Ns),
+        seeds=list(cfg.seeds[:2]),
+        steps=cfg.cc_steps,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        seq_len=cfg.seq_len,
+        batch=cfg.batch,
+        cache_dir=ctx.cache_dir,
+        progress=ctx.progress,
+    )
+    state = cc.plot_frame("state_change")
+    incs = cc.plot_frame("increment_change", cfg.cc_schemes[-1])
+    flat = cc.flatness("state_change")
+    keep = ["scheme", "N", "seed", "step", "group", "value", "diverged"]
+    return Result(
+        frames={"state": state[keep], "increments": incs[keep], "flatness": flat},
+        tables=[
+            (
+                f"Log-log slope in N of ‖Δh_N‖ (RMS change since step 0) after "
+                f"{cfg.cc_steps} Adam steps; 0 = stable in N",
+                flat,
+            )
+        ],
+        summary=flat,
+        values={"flatness": flat.to_dict("records"), "config": cc.config},
+        figures=[
+            Fig(
+                "coordcheck_state",
+                "RMS change of the final state h_N since step 0 vs N, "
+                "per residual rule, one panel per Adam step: flat means N-stable.",
+                "state",
+                "coord_check",
+                {
+                    "hue": "scheme",
+                    "ylabel": "RMS(h_N(t) − h_N(0))",
+                    "title": "Coordinate check across N: final state",
+                },
+            ),
+            Fig(
+                "coordcheck_increments",
+                "RMS change of the first and last visit's increment "
+                f"since step 0 vs N under {cfg.cc_schemes[-1]}.",
+                "increments",
+                "coord_check",
+                {
+                    "ylabel": "RMS(inc(t) − inc(0))",
+                    "title": f"Coordinate check: increments ({cfg.cc_schemes[-1]})",
+                },
+            ),
+        ],
+    )
+
+
+def _fixedpoint_models(cfg: ReportConfig) -> tuple[list[tuple[str, nn.Module]], torch.Tensor, str]:
+    """The recall variants, trained briefly on ``cfg.fp_task`` when the study module exists."""
+    size = dict(seq_len=cfg.fp_seq_len, d_model=cfg.fp_d_model, n_heads=4, R=cfg.fp_R)
+    try:
+        from loopprobe import fixedpoint_study as study
+    except ImportError:
+        gen = torch.Generator().manual_seed(10_000)
+        idx = tasks.random_tokens(1, cfg.fp_seq_len, cfg.vocab_size, gen)[0]
+        fp_cfg = dataclasses.replace(cfg, seq_len=cfg.fp_seq_len, d_model=cfg.fp_d_model)
+        models = [
+            (
+                _variant(r, on),
+                _gpt(fp_cfg, K=1, R=cfg.fp_R, n_heads=4, norm="pre", recall=r, outer_norm=on),
+            )
+            for r, on in cfg.fp_variants
+        ]
+        return models, idx, "untrained (loopprobe.fixedpoint_study is not available)"
+    models = []
+    for r, on in cfg.fp_variants:
+        model, _ = study.train(cfg.fp_task, r, on, seed=cfg.seed, steps=cfg.fp_train_steps, **size)
+        models.append((_variant(r, on), model))
+    gen = torch.Generator().manual_seed(10_000)
+    idx = study.task_batch(cfg.fp_task, 1, cfg.fp_seq_len, gen)[0]
+    return models, idx, f"trained {cfg.fp_train_steps} AdamW steps on {cfg.fp_task}"
+
+
+def _variant(recall: str, outer_norm: bool) -> str:
+    return f"recall={recall}" + (", outer norm" if outer_norm else "")
+
+
 def fixedpoint_section(ctx: Context) -> Result:
     """Reachability, ρ(∂T/∂h), ‖∂T/∂h‖ and ‖dh*/dx‖ of one round, per recall variant."""
     fpm = _need("loopprobe.fixedpoint", 5)
@@ -698,90 +777,36 @@ def fixedpoint_section(ctx: Context) -> Result:
                 "embed(inputs) methods (see docs/models-api.md)"
             )
         idx = ctx.user.inputs[0] if isinstance(ctx.user.inputs, tuple) else ctx.user.inputs
-        variants = [("your model", m.double(), idx)]
+        # a float64 copy: probing never changes the user's model
+        models, how = [("your model", copy.deepcopy(m))], "your model as given, float64 copy"
     else:
-        idx = tasks.random_tokens(
-            1, cfg.seq_len, cfg.vocab_size, torch.Generator().manual_seed(10_000)
-        )[0]
-        variants = [
-            (
-                f"recall={r}" + (", outer norm" if on else ""),
-                _gpt(cfg, K=1, R=cfg.fp_R, norm="pre", recall=r, outer_norm=on).double(),
-                idx,
-            )
-            for r, on in cfg.fp_variants
-        ]
+        models, idx, how = _fixedpoint_models(cfg)
     traces, eig, rows = [], [], []
-    bar = tqdm(variants, desc="fixed points", disable=not ctx.progress, leave=False)
-    for name, model, x_idx in bar:
-        rm = fpm.round_map(model, x_idx)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        runs = {
-            meth: fpm.fixed_point(rm.T, rm.h0, tol=1e-6, max_iter=cfg.fp_max_iter, method=meth)
-            for meth in ("picard", "anderson")
-        }
-        fp = runs["picard"] if runs["picard"].converged else runs["anderson"]
-        for meth, run in runs.items():
-            traces.append(run.to_frame().assign(variant=f"{name} ({meth})"))
-        sr = fpm.spectral_radius(rm.T, fp.h, k=6, generator=gen)
-        eig.append(sr.to_frame().assign(variant=name))
-        jn = fpm.jacobian_norm(rm.T, fp.h, generator=gen, max_iter=50, tol=1e-6)
-        row = {
-            "variant": name,
-            "converged": fp.converged,
-            "method": fp.method,
-            "iterations": fp.iterations,
-            "rate": fp.rate,
-            "rho": sr.value,
-            "rho_converged": sr.converged,
-            "jacobian_norm": jn.value,
-        }
-        if fp.converged:
-            dep = fpm.input_dependence(
-                rm.step,
-                fp.h,
-                rm.x,
-                rounds=rm.rounds,
-                generator=gen,
-                max_iter=30,
-                norm_tol=1e-4,
-                tol=1e-8,
-            )
-            row.update(
-                {
-                    "dh*/dx (implicit)": dep.value,
-                    "dh_R/dx (unrolled)": dep.unrolled.value if dep.unrolled else math.nan,
-                    "gap": dep.gap,
-                    "dh*/dx converged": dep.converged,
-                }
-            )
-        if rm.rounds is not None:
-            rr = fpm.round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
-            row.update({"residual after R rounds": rr.residual, "distance to h*": rr.distance})
-        row["reason"] = fp.reason
+    for name, model in tqdm(models, desc="fixed points", disable=not ctx.progress, leave=False):
+        row, trace, ev = _probe_round(fpm, name, model.double(), idx, cfg)
         rows.append(row)
-    bar.close()
+        traces.append(trace)
+        eig.append(ev)
     table = pd.DataFrame(rows)
-    notes = (
-        []
-        if all(table["converged"])
-        else ["input-dependence is measured only where the fixed point was reached"]
-    )
+    notes = [f"models: {how}"]
+    if not table["converged"].all():
+        notes.append("input-dependence is measured only where the fixed point was reached")
+    R = getattr(getattr(models[0][1], "cfg", None), "R", "?")
     return Result(
         frames={
             "residuals": pd.concat(traces, ignore_index=True),
             "eigenvalues": pd.concat(eig, ignore_index=True),
             "summary": table,
         },
-        tables=[(f"Fixed point of one round (K = 1, R = {cfg.fp_R}, float64)", table)],
+        tables=[(f"Fixed point of one round (R = {R}, float64)", table)],
         summary=table.drop(columns=["reason"]),
-        values={"variants": table.to_dict("records")},
+        values={"variants": table.to_dict("records"), "models": how},
         notes=notes,
         figures=[
             Fig(
                 "fixedpoint_residuals",
                 "Residual ‖T(h_k) − h_k‖/‖h_k‖ of plain (Picard) and "
-                "Anderson iteration of one round; straight lines are linear convergence at "
+                "Anderson iteration of one round; a straight line is linear convergence at "
                 "rate ρ.",
                 "residuals",
                 "fixed_point_residuals",
@@ -796,6 +821,56 @@ def fixedpoint_section(ctx: Context) -> Result:
             ),
         ],
     )
+
+
+def _probe_round(fpm: Any, name: str, model: nn.Module, idx: torch.Tensor, cfg: ReportConfig):
+    """One variant: Picard and Anderson traces, spectrum, norm, input-dependence, R rounds."""
+    rm = fpm.round_map(model, idx)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    runs = {
+        meth: fpm.fixed_point(rm.T, rm.h0, tol=1e-6, max_iter=cfg.fp_max_iter, method=meth)
+        for meth in ("picard", "anderson")
+    }
+    fp = runs["picard"] if runs["picard"].converged else runs["anderson"]
+    trace = pd.concat(
+        [run.to_frame().assign(variant=f"{name} ({meth})") for meth, run in runs.items()],
+        ignore_index=True,
+    )
+    sr = fpm.spectral_radius(rm.T, fp.h, k=6, generator=gen)
+    jn = fpm.jacobian_norm(rm.T, fp.h, generator=gen, max_iter=50, tol=1e-6)
+    row = {
+        "variant": name,
+        "converged": fp.converged,
+        "method": fp.method,
+        "iterations": fp.iterations,
+        "rate": fp.rate,
+        "ρ(∂T/∂h)": sr.value,
+        "ρ converged": sr.converged,
+        "‖∂T/∂h‖": jn.value,
+    }
+    if fp.converged:
+        dep = fpm.input_dependence(
+            rm.step,
+            fp.h,
+            rm.x,
+            rounds=rm.rounds,
+            generator=gen,
+            max_iter=30,
+            norm_tol=1e-4,
+            tol=1e-8,
+        )
+        row.update(
+            {
+                "‖dh*/dx‖ implicit": dep.value,
+                "‖dh_R/dx‖ unrolled": dep.unrolled.value if dep.unrolled else math.nan,
+                "dh/dx converged": dep.converged,
+            }
+        )
+    if rm.rounds is not None:
+        rr = fpm.round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
+        row.update({"residual after R rounds": rr.residual, "distance to h*": rr.distance})
+    row["reason"] = fp.reason
+    return row, trace, sr.to_frame().assign(variant=name)
 
 
 SECTIONS: list[Section] = [
@@ -824,6 +899,13 @@ SECTIONS: list[Section] = [
         "Do shared-weight increments add up coherently, and which residual rule keeps "
         "‖h_N − h_0‖ flat in N?",
         increments_section,
+    ),
+    Section(
+        "coordcheck",
+        "Coordinate check across loop count N",
+        "After a few Adam steps, do activation updates stay the same size as N grows "
+        "(the looped analogue of mup's coord check)?",
+        coordcheck_section,
     ),
     Section(
         "fixedpoint",
@@ -993,43 +1075,81 @@ def _strip_sections(command: str) -> str:
 
 
 def _write(outdir: pathlib.Path, ctx: Context, done: list, command: str, runtime: float) -> dict:
-    """CSVs and PNGs per section, then results.json and index.html."""
-    sections: dict[str, Any] = {}
+    """CSVs and PNGs per section, then results.json and index.html (rendered from those).
+
+    A run of some sections (``--sections``) into a directory holding a report of the same
+    model and config keeps the other sections' entries, so the page stays whole.
+    """
+    model = ctx.user.spec if ctx.user else "reference LoopedGPT (embedded default)"
+    config = (
+        dataclasses.asdict(ctx.cfg)
+        if ctx.user is None
+        else {"model": ctx.user.spec, "inputs": ctx.user.inputs_spec, "loss": ctx.user.loss_name}
+    )
+    config = to_jsonable(config)
+    sections = {}
+    if len(done) < len(SECTIONS):
+        sections = _previous_sections(outdir, model, config)
     for section, status, res, secs in done:
-        entry: dict[str, Any] = {
-            "title": section.title,
-            "status": status,
-            "runtime_s": round(secs, 2),
-        }
-        if status != "ok":
-            entry["reason"] = res
-        else:
-            entry["csv"] = {}
-            for name, frame in res.frames.items():
-                fname = f"{section.key}_{name}.csv"
-                frame.to_csv(outdir / fname, index=False)
-                entry["csv"][name] = fname
-            entry["figures"] = []
-            for fig in res.figures:
-                entry["figures"].append(_draw(outdir, section, res, fig, entry, ctx))
-            entry["values"] = res.values
-            entry["notes"] = res.notes
-        sections[section.key] = entry
+        sections[section.key] = _write_section(outdir, ctx, section, status, res, secs)
     results = {
         "loopprobe_version": loopprobe.__version__,
-        "command": command,
+        "command": ctx.rerun,
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "runtime_s": round(runtime, 2),
-        "model": ctx.user.spec if ctx.user else "reference LoopedGPT (embedded default)",
+        "model": model,
         "out": str(outdir),
-        "config": dataclasses.asdict(ctx.cfg)
-        if ctx.user is None
-        else {"model": ctx.user.spec, "inputs": ctx.user.inputs_spec, "loss": ctx.user.loss_name},
-        "sections": sections,
+        "config": config,
+        "sections": {s.key: sections[s.key] for s in SECTIONS if s.key in sections},
     }
     (outdir / "results.json").write_text(json.dumps(to_jsonable(results), indent=2))
-    (outdir / "index.html").write_text(render_html(done, results))
+    (outdir / "index.html").write_text(render_html(results, outdir))
     return results
+
+
+def _previous_sections(outdir: pathlib.Path, model: str, config: Any) -> dict:
+    """Entries of an earlier results.json in ``outdir`` for the same model and config."""
+    try:
+        old = json.loads((outdir / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("model") != model or old.get("config") != config:
+        return {}
+    return dict(old.get("sections", {}))
+
+
+def _write_section(
+    outdir: pathlib.Path,
+    ctx: Context,
+    section: Section,
+    status: str,
+    res: Result | str,
+    secs: float,
+) -> dict:
+    """One section's files and its results.json entry."""
+    entry: dict[str, Any] = {
+        "title": section.title,
+        "question": section.question,
+        "status": status,
+        "runtime_s": round(secs, 2),
+    }
+    if status != "ok":
+        entry["reason"] = res
+        return entry
+    entry["csv"], entry["tables"] = {}, []
+    for name, frame in res.frames.items():
+        entry["csv"][name] = f"{section.key}_{name}.csv"
+        frame.to_csv(outdir / entry["csv"][name], index=False)
+    for i, (caption, table) in enumerate(res.tables):
+        name = next((n for n, f in res.frames.items() if f is table), None)
+        fname = entry["csv"][name] if name else f"{section.key}_table{i}.csv"
+        if name is None:
+            table.to_csv(outdir / fname, index=False)
+        entry["tables"].append({"caption": caption, "csv": fname})
+    entry["figures"] = [_draw(outdir, section, res, fig, entry, ctx) for fig in res.figures]
+    entry["values"] = res.values
+    entry["notes"] = res.notes
+    return entry
 
 
 def _draw(
@@ -1113,48 +1233,54 @@ def _html_table(df: pd.DataFrame) -> str:
     )
 
 
-def render_html(done: list, results: dict) -> str:
-    """index.html: sections with tables, PNG figures (linked) and the commands to redo them."""
+def render_html(results: dict, outdir: pathlib.Path) -> str:
+    """index.html from results.json and the CSVs: tables, linked PNGs, the commands."""
     e = html.escape
     parts = [
-        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>loopprobe report</title><style>{_CSS}</style></head><body>",
         "<h1>loopprobe report</h1>",
         f"<p class='meta'>{e(results['model'])} · loopprobe {e(results['loopprobe_version'])}"
-        f" · {e(results['created'])} · {results['runtime_s']:.0f} s<br>"
-        f"reproduce: <code>{e(results['command'])}</code> · data: "
-        "<a href='results.json'>results.json</a></p><nav>",
+        f" · {e(results['created'])}<br>reproduce everything: "
+        f"<code>{e(results['command'])}</code> · data: <a href='results.json'>results.json</a>"
+        "</p><nav>",
     ]
-    parts += [f"<a href='#{s.key}'>{e(s.key)}</a>" for s, *_ in done]
+    parts += [f"<a href='#{key}'>{e(key)}</a>" for key in results["sections"]]
     parts.append("</nav>")
-    for section, status, res, secs in done:
-        entry = results["sections"][section.key]
+    for key, entry in results["sections"].items():
         parts += [
-            f"<h2 id='{section.key}'>{e(section.title)}</h2>",
-            f"<p class='question'>{e(section.question)}</p>",
+            f"<h2 id='{key}'>{e(entry['title'])}</h2>",
+            f"<p class='question'>{e(entry.get('question', ''))}</p>",
         ]
-        if status != "ok":
-            parts.append(f"<p class='{status}'><b>{status}</b>: {e(str(res))}</p>")
+        if entry["status"] != "ok":
+            status = entry["status"]
+            parts.append(f"<p class='{status}'><b>{status}</b>: {e(str(entry['reason']))}</p>")
             continue
-        for caption, table in res.tables:
-            parts += [f"<p><b>{e(caption)}</b></p>", _html_table(table)]
-        for note in res.notes:
-            parts.append(f"<p class='meta'>note: {e(note)}</p>")
+        for table in entry["tables"]:
+            parts += [
+                f"<p><b>{e(table['caption'])}</b></p>",
+                _html_table(pd.read_csv(outdir / table["csv"])),
+            ]
+        parts += [f"<p class='meta'>note: {e(note)}</p>" for note in entry["notes"]]
         for fig in entry["figures"]:
-            if fig.get("png") is None:
-                parts.append(f"<p class='failed'>figure failed: {e(fig['error'])}</p>")
-                continue
-            parts.append(
-                f"<figure><img src='{e(fig['png'])}' alt='{e(fig['caption'])}'>"
-                f"<figcaption>{e(fig['caption'])}<pre>"
-                f"# recompute the data ({secs:.0f} s):\n{e(fig['recompute'])}\n"
-                f"# redraw from the saved CSV, no recompute:\n{e(fig['replot'])}</pre>"
-                "</figcaption></figure>"
-            )
+            parts.append(_html_figure(fig, entry["runtime_s"]))
         csvs = " ".join(f"<a href='{e(f)}'>{e(f)}</a>" for f in entry["csv"].values())
-        parts.append(f"<p class='meta'>tidy data: {csvs}</p>")
+        parts.append(f"<p class='meta'>tidy data: {csvs} · {entry['runtime_s']:.0f} s</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _html_figure(fig: dict, secs: float) -> str:
+    e = html.escape
+    if fig.get("png") is None:
+        return f"<p class='failed'>figure failed: {e(fig['error'])}</p>"
+    return (
+        f"<figure><img src='{e(fig['png'])}' alt='{e(fig['caption'])}'>"
+        f"<figcaption>{e(fig['caption'])}<pre>"
+        f"# recompute the data (about {secs:.0f} s):\n{e(fig['recompute'])}\n"
+        f"# redraw from the saved CSV, no recompute:\n{e(fig['replot'])}</pre>"
+        "</figcaption></figure>"
+    )
 
 
 def main_command(argv: Sequence[str] | None = None) -> str:
