@@ -23,10 +23,7 @@ def table(results: list[pc.Result]) -> str:
         if r.ok and r.kind != "statement":
             status = "fail (expected)"
         rows.append((name, r.reference, r.method, status, r.figure))
-    widths = [
-        min(max(len(x[i]) for x in [head, *rows]), cap) for i, cap in enumerate((62, 34, 8, 22))
-    ]
-    widths.append(0)
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(4)] + [0]
 
     def line(cells: tuple) -> str:
         parts = [c.ljust(w) if w else c for c, w in zip(cells, widths, strict=True)]
