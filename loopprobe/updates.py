@@ -38,7 +38,8 @@ class Updates:
 
     ``G[j]`` has shape ``(R_j, n_j)``: one flattened effective update per forward visit
     of sublayer j (zero rows for visits that are not gradient-visible); ``visible[j]``
-    marks the gradient-visible ones. ``grad[j]`` is the raw ``d loss / d delta``.
+    marks the gradient-visible ones (a gradient that exists and is not exactly zero).
+    ``grad[j]`` is the raw ``d loss / d delta``.
     ``history_norm[j]`` is the norm of the optimizer-momentum part of the next step.
     With ``memory="low"`` only ``G_norms[j]`` (R_j,) and ``G_tied[j]`` (n_j,) are kept and
     ``G``/``grad`` are ``None``.
@@ -159,8 +160,8 @@ def per_visit_updates(
     for v, ts in leaves:
         parts = grads[n : n + len(ts)]
         n += len(ts)
-        if all(p is None for p in parts):
-            continue
+        if not any(p is not None and bool(p.ne(0).any()) for p in parts):
+            continue  # unreachable, or reachable with an exactly zero gradient
         visible[v.j][v.r] = True
         raw[v.j][v.r] = torch.cat(
             [
@@ -254,8 +255,19 @@ def _low_memory(loss, leaves, groups, counts, visits, update, call) -> Updates:
         tied, sq, seen, finite = stream(scale_list, retain=False)
     names = [g.sublayer.name for g in groups]
     norms = [s.sqrt().to(t.dtype) for s, t in zip(sq, tied, strict=True)]
+    visible = [s & (q > 0).cpu() for s, q in zip(seen, sq, strict=True)]
     return Updates(
-        visits, names, seen, norms, tied, method, float(loss.detach()), history, None, None, "low"
+        visits,
+        names,
+        visible,
+        norms,
+        tied,
+        method,
+        float(loss.detach()),
+        history,
+        None,
+        None,
+        "low",
     )
 
 

@@ -455,8 +455,10 @@ class Probe:
     ) -> list[Visit]:
         """All visits of one forward on ``inputs``, with ``grad_visible`` measured.
 
-        A visit is gradient-visible when its offset ``delta_{r,j}`` reaches F through the
-        autograd graph (one backward; the model's ``.grad`` is not touched). Every probe
+        A visit is gradient-visible when its offset ``delta_{r,j}`` gets a nonzero gradient
+        from F (one backward with a random cotangent; the model's ``.grad`` is not
+        touched): visits under ``no_grad``, whose output was detached, or whose output
+        F only reaches through a zero-gradient path (a slice that drops it) are not. Every probe
         forward runs with torch's RNG forked and set to ``seed`` (the caller's RNG state
         is left as it was; ``None``: use and advance the caller's RNG).
         """
@@ -478,12 +480,15 @@ class Probe:
             flat = [t for ts in leaves for t in ts]
             seen = [False] * len(leaves)
             if F.requires_grad and flat:
-                grads = torch.autograd.grad(
-                    F, flat, grad_outputs=torch.ones_like(F), allow_unused=True
-                )
+                # A random cotangent: a visit is visible iff U_i^T w != 0, which (almost
+                # surely) means U_i != 0. Ones could cancel (softmax outputs sum to 1).
+                gen = torch.Generator().manual_seed(0 if seed is None else seed)
+                w = torch.randn(F.shape, generator=gen, dtype=torch.float64)
+                w = w.to(dtype=F.dtype, device=F.device)
+                grads = torch.autograd.grad(F, flat, grad_outputs=w, allow_unused=True)
                 n = 0
                 for a, ts in enumerate(leaves):
-                    seen[a] = any(gr is not None for gr in grads[n : n + len(ts)])
+                    seen[a] = any(_nonzero(gr) for gr in grads[n : n + len(ts)])
                     n += len(ts)
         self._last_outside = trace.outside
         return [_replace(v, grad_visible=s) for v, s in zip(trace.visits, seen, strict=True)]
@@ -711,6 +716,10 @@ def _looped_units(
             chosen.append(k)
     chosen.sort(key=lambda k: tops[k][0])
     return [list(dict.fromkeys(calls[c][0] for c in tops[k])) for k in chosen]
+
+
+def _nonzero(grad: torch.Tensor | None) -> bool:
+    return grad is not None and bool(grad.ne(0).any())
 
 
 def _device_of(model: nn.Module) -> torch.device:

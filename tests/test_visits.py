@@ -206,3 +206,26 @@ def test_recording_to_frame_has_one_row_per_visit_in_execution_order():
     assert list(frame.i) == [0, 1, 2, 3]
     assert list(frame.sublayer) == ["layers.0", "layers.1", "layers.0", "layers.1"]
     assert list(frame.r) == [0, 0, 1, 1]
+
+
+class DetachedStack(torch.nn.Module):
+    """Every step's prediction is stacked; the carry between steps is detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        preds = []
+        for _ in range(3):
+            x = self.block(x.detach())
+            preds.append(x)
+        return torch.stack(preds)
+
+
+def test_a_visit_reachable_only_through_a_zero_gradient_slice_is_not_gradient_visible():
+    model = make(DetachedStack)
+    visits = lp.attach(model).visits(randn(2, 4), output=lambda out: out[-1])
+    assert [v.grad_visible for v in visits] == [False, False, True]
+    everything = lp.attach(model).visits(randn(2, 4))
+    assert [v.grad_visible for v in everything] == [True, True, True]
