@@ -23,7 +23,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from loopprobe import theory
 
@@ -128,14 +128,28 @@ def _side_legend(fig: Figure, ax: Axes, title: str | None = None) -> None:
         fig.legend(handles, labels, loc="outside right upper", fontsize="small", title=title)
 
 
+def _legend_below(fig: Figure, ax: Axes) -> None:
+    """A legend under a one-panel figure with many entries (never over the data)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", fontsize="small", ncols=2)
+
+
 def _log_y(ax: Axes) -> None:
-    """Log y axis; plain ``%.3g`` labels when the data spans less than a decade."""
+    """Log y axis; plain ``%.3g`` labels up to two decades of data, decades only above."""
     ax.set_yscale("log")
     lo, hi = ax.get_ylim()
     if lo > 0 and hi / lo < 10:
         fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
         ax.yaxis.set_major_formatter(fmt)
         ax.yaxis.set_minor_formatter(fmt)
+    elif lo > 0 and hi / lo < 100:  # one or two decades: label 2x and 5x as well
+        fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        ax.yaxis.set_major_formatter(fmt)
+        ax.yaxis.set_minor_formatter(fmt)
+    else:
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _log2_x(ax: Axes, values: Sequence[float]) -> None:
@@ -315,7 +329,7 @@ def visit_cosines(
                 cmap="vlag",
                 square=True,
                 cbar=i == len(names) - 1,
-                annot=len(mats[name]) <= 8,
+                annot=len(mats[name]) <= 6,
                 fmt=".2f",
                 annot_kws={"fontsize": 7},
             )
@@ -345,7 +359,7 @@ def increment_growth(
     increments under 1/√N; 0: flat), anchored at the first point. Reference: DESIGN.md §3.
     """
     df = _frame("increment_growth", df, {"x": x, "y": y, "hue": hue, "style": style})
-    fig, axes = _figure()
+    fig, axes = _figure(size=(5.5, 4.8))
     ax = axes[0, 0]
     levels = _order(df, hue)
     colors = dict(zip(levels, _palette(len(levels)), strict=True))
@@ -373,7 +387,7 @@ def increment_growth(
         _log2_x(ax, xs)
     _log_y(ax)
     ax.set(xlabel="N (loops)", ylabel="‖h_N − h_0‖ / ‖h_0‖", title=title)
-    ax.legend(fontsize="small")
+    _legend_below(fig, ax)
     return fig
 
 
@@ -484,7 +498,7 @@ def fixed_point_residuals(
     """
     df = _frame("fixed_point_residuals", df, {"x": x, "y": y, "hue": hue})
     df = df[df[y] > 0]
-    fig, axes = _figure()
+    fig, axes = _figure(size=(5.5, 4.8))
     ax = axes[0, 0]
     levels = _order(df, hue)
     for color, (level, sub) in zip(_palette(len(levels)), _groups(df, hue), strict=True):
@@ -494,7 +508,7 @@ def fixed_point_residuals(
         ax.axhline(tol, label=f"tol {tol:g}", **_REF)
     _log_y(ax)
     ax.set(xlabel="iteration k", ylabel="‖T(h_k) − h_k‖ / ‖h_k‖", title=title)
-    ax.legend(fontsize="small")
+    _legend_below(fig, ax)
     return fig
 
 
@@ -513,7 +527,7 @@ def eigenvalues(
     contracts locally. Reference: DESIGN.md §4 (geometry).
     """
     df = _frame("eigenvalues", df, {"real": real, "imag": imag, "hue": hue})
-    fig, axes = _figure(size=(4.6, 4.2))
+    fig, axes = _figure(size=(5.0, 5.6))
     ax = axes[0, 0]
     t = np.linspace(0, 2 * np.pi, 361)
     ax.plot(np.cos(t), np.sin(t), label="|λ| = 1", **_REF)
@@ -535,7 +549,9 @@ def eigenvalues(
         )
     ax.axhline(0, color="0.85", linewidth=0.8)
     ax.axvline(0, color="0.85", linewidth=0.8)
-    ax.set_aspect("equal", adjustable="datalim")
+    lim = 1.15 * max(1.0, float(np.hypot(df[real], df[imag]).max()) if len(df) else 1.0)
+    ax.set(xlim=(-lim, lim), ylim=(-lim, lim))
+    ax.set_aspect("equal", adjustable="box")
     ax.set(xlabel="Re λ", ylabel="Im λ", title=title)
-    ax.legend(fontsize="small", loc="best")
+    _legend_below(fig, ax)
     return fig

@@ -1219,6 +1219,7 @@ table.tbl th{background:#f4f4f4} figure{margin:1em 0 2em} figure img{max-width:1
 border:1px solid #eee} figcaption{font-size:.9em;color:#444}
 code,pre{background:#f6f8fa;font-size:.8em} pre{padding:.5em;overflow-x:auto;white-space:pre-wrap}
 .skipped{color:#8a6d3b} .failed{color:#a94442} nav a{margin-right:1em}
+.scroll{overflow-x:auto}
 """
 
 
@@ -1259,25 +1260,25 @@ def render_html(results: dict, outdir: pathlib.Path) -> str:
         for table in entry["tables"]:
             parts += [
                 f"<p><b>{e(table['caption'])}</b></p>",
-                _html_table(pd.read_csv(outdir / table["csv"])),
+                "<div class='scroll'>" + _html_table(pd.read_csv(outdir / table["csv"])) + "</div>",
             ]
         parts += [f"<p class='meta'>note: {e(note)}</p>" for note in entry["notes"]]
         for fig in entry["figures"]:
-            parts.append(_html_figure(fig, entry["runtime_s"]))
+            parts.append(_html_figure(fig))
         csvs = " ".join(f"<a href='{e(f)}'>{e(f)}</a>" for f in entry["csv"].values())
         parts.append(f"<p class='meta'>tidy data: {csvs} · {entry['runtime_s']:.0f} s</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def _html_figure(fig: dict, secs: float) -> str:
+def _html_figure(fig: dict) -> str:
     e = html.escape
     if fig.get("png") is None:
         return f"<p class='failed'>figure failed: {e(fig['error'])}</p>"
     return (
         f"<figure><img src='{e(fig['png'])}' alt='{e(fig['caption'])}'>"
         f"<figcaption>{e(fig['caption'])}<pre>"
-        f"# recompute the data (about {secs:.0f} s):\n{e(fig['recompute'])}\n"
+        f"# recompute the data:\n{e(fig['recompute'])}\n"
         f"# redraw from the saved CSV, no recompute:\n{e(fig['replot'])}</pre>"
         "</figcaption></figure>"
     )
