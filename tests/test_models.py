@@ -223,3 +223,11 @@ def test_linear_loop_trains_on_a_regression_target():
 
 def test_models_are_reachable_from_the_single_import_path():
     assert lp.models.LoopedGPT is LoopedGPT
+
+
+def test_reference_models_convert_to_float64_like_any_module():
+    hrm = HierarchicalLoop(HRMConfig(), gen()).double()
+    gpt = LoopedGPT(GPTConfig(), gen()).double()
+    idx = torch.randint(0, 64, (1, 8), generator=gen())
+    assert hrm(idx).dtype == torch.float64
+    assert gpt(idx).dtype == torch.float64

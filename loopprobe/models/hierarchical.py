@@ -113,7 +113,7 @@ class HierarchicalLoop(nn.Module):
         return self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
 
     @staticmethod
-    def _apply(blocks: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+    def _run_blocks(blocks: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
         for blk in blocks:
             h = blk(h)
         return h
@@ -121,8 +121,8 @@ class HierarchicalLoop(nn.Module):
     def cycle(self, z_H: torch.Tensor, z_L: torch.Tensor, x: torch.Tensor):
         """One outer cycle: C_L iterations of L, then one update of H."""
         for _ in range(self.cfg.C_L):
-            z_L = self._apply(self.L_blocks, z_L + z_H + x)
-        z_H = self._apply(self.H_blocks, z_H + z_L)
+            z_L = self._run_blocks(self.L_blocks, z_L + z_H + x)
+        z_H = self._run_blocks(self.H_blocks, z_H + z_L)
         return z_H, z_L
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
