@@ -39,11 +39,16 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from loopprobe.alignment import AlignmentReport, BoundCheck
+    from loopprobe.sensitivity import Sensitivity
+    from loopprobe.updates import Updates
 
 Forward = Callable[[nn.Module, Any], Any]
 Output = Callable[[Any], torch.Tensor]
@@ -504,7 +509,8 @@ class Probe:
         """One row per physical sublayer: parameters, visits R_j, gradient-visible visits.
 
         ``df.attrs`` holds the totals ``M`` (forward-visible visits) and ``M_g``
-        (gradient-visible visits), both measured. Reference: seed 002, Eq. 17-18.
+        (gradient-visible visits), both measured, and ``M_formula``/``M_g_formula`` from
+        ``model.cfg.M``/``.M_g`` when the model states them. Reference: seed 002, Eq. 17-18.
         """
         visits = self.visits(inputs, forward=forward, output=output, seed=seed)
         rows = []
@@ -527,6 +533,10 @@ class Probe:
         df = pd.DataFrame(rows)
         df.attrs["M"] = len(visits)
         df.attrs["M_g"] = sum(bool(v.grad_visible) for v in visits)
+        cfg = getattr(self.model, "cfg", None)  # the formula, when the model states one
+        for key in ("M", "M_g"):
+            if isinstance(getattr(cfg, key, None), int):
+                df.attrs[f"{key}_formula"] = getattr(cfg, key)
         return df
 
     def record(
@@ -558,25 +568,25 @@ class Probe:
         return Recording(records, keep(out), self.sublayers())
 
     # -- derivatives (thin wrappers; see loopprobe.updates/sensitivity/alignment) -------
-    def updates(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Any:
+    def updates(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Updates:
         """Per-visit updates G_{r,j}: :func:`loopprobe.updates.per_visit_updates`."""
         from loopprobe.updates import per_visit_updates
 
         return per_visit_updates(self, inputs, loss_fn, **kwargs)
 
-    def sensitivity(self, inputs: Any, **kwargs: Any) -> Any:
+    def sensitivity(self, inputs: Any, **kwargs: Any) -> Sensitivity:
         """Operator norms of U_{r,j}: :func:`loopprobe.sensitivity.sensitivity_norms`."""
         from loopprobe.sensitivity import sensitivity_norms
 
         return sensitivity_norms(self, inputs, **kwargs)
 
-    def alignment(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Any:
+    def alignment(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> AlignmentReport:
         """kappa_j, kappa_R, Gram matrices: :func:`loopprobe.alignment.visit_alignment`."""
         from loopprobe.alignment import visit_alignment
 
         return visit_alignment(self, inputs, loss_fn, **kwargs)
 
-    def bound(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Any:
+    def bound(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> BoundCheck:
         """Measured output change after one step vs M kappa (beta/alpha)^2: :func:`bound_check`."""
         from loopprobe.alignment import bound_check
 

@@ -152,6 +152,7 @@ def test_reference_model_default_grouping_is_one_attention_or_mlp_branch_per_blo
     hrm = HierarchicalLoop(hcfg)
     t = lp.attach(hrm).visit_table(idx)
     assert (t.attrs["M"], t.attrs["M_g"]) == (hcfg.M, hcfg.M_g) == (18, 6)
+    assert (t.attrs["M_formula"], t.attrs["M_g_formula"]) == (18, 6)
 
 
 def test_probing_leaves_no_hooks_mode_or_buffers_changed_even_when_the_forward_raises():
