@@ -57,13 +57,7 @@ def _grid(profile: Profile) -> list[tuple[int, int, int, int]]:
 
 def _model(C: int, K_H: int, C_L: int, K_L: int, seed: int = 0) -> HierarchicalLoop:
     cfg = HRMConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, K_H=K_H, K_L=K_L, C=C, C_L=C_L)
-    model = HierarchicalLoop(cfg, generator=torch.Generator().manual_seed(seed))
-    # not .double(): HierarchicalLoop's staticmethod _apply(blocks, h) shadows
-    # nn.Module._apply, so .double()/.to() raise TypeError (reported; models are not ours)
-    with torch.no_grad():
-        for prm in model.parameters():
-            prm.data = prm.data.double()
-    return model
+    return HierarchicalLoop(cfg, generator=torch.Generator().manual_seed(seed)).double()
 
 
 @functools.cache
