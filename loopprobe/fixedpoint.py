@@ -60,7 +60,7 @@ def round_map(model: torch.nn.Module, idx: torch.Tensor) -> RoundMap:
 
     ``x = model.embed(idx)`` (detached), ``h0 = x`` (the reference models start the state at
     the embedding), ``step(h, x) = model.step(h, x)``, ``rounds = model.cfg.R``.
-    Replaying one recorded round of an arbitrary model is not offered here yet.
+    For any other looped model see :func:`replay_round`.
     """
     for attr in ("step", "embed"):
         if not callable(getattr(model, attr, None)):
@@ -81,6 +81,86 @@ def round_map(model: torch.nn.Module, idx: torch.Tensor) -> RoundMap:
             return model.step(h, x)
 
     return RoundMap(step, x, x, getattr(getattr(model, "cfg", None), "R", None))
+
+
+def replay_round(
+    model: torch.nn.Module,
+    inputs: object,
+    module: str,
+    *,
+    forward: Callable | None = None,
+    state_arg: int = 0,
+    input_arg: int | str | None = None,
+    round: int = 0,
+    rtol: float = 1e-5,
+) -> RoundMap:
+    """The round map of any looped model, replayed from the recorded calls of one module.
+
+    One forward is recorded (``lp.attach(model, sublayers=[module]).record(inputs)``,
+    loopprobe/visits.py). Call r of ``module`` must map the state of round r (its
+    positional argument ``state_arg``) to the state of round r + 1; this is checked (the
+    state passed to call r + 1 equals the output of call r to ``rtol``) and a
+    ``ValueError`` says so otherwise (e.g. recall or an outer norm applied outside the
+    module: name a module that contains the whole round, or write ``step`` yourself).
+    ``T(h)`` calls the module with ``h`` and call ``round``'s other recorded arguments
+    (masks, positions, ...). ``input_arg`` (a position or keyword) marks the re-injected
+    input: it becomes ``x`` and ``step(h, x)`` substitutes it, so :func:`input_dependence`
+    can differentiate through it; without it ``x`` is an empty tensor that ``step``
+    ignores. ``h0`` is the state passed to the first call, ``rounds`` the number of calls.
+    """
+    from loopprobe.visits import attach
+
+    call = "replay_round"
+    with _eval_mode(model), attach(model, sublayers=[module]) as probe:
+        calls = probe.record(inputs, forward=forward).visits
+    if not calls:
+        raise ValueError(f"{call}: module {module!r} was never called on these inputs")
+    _count(call, "round", round, 0)
+    if round >= len(calls):
+        raise ValueError(f"{call}: round={round} but {module!r} ran {len(calls)} times")
+    states = [_replay_arg(call, c.args, c.kwargs, state_arg) for c in calls]
+    for r in range(len(calls) - 1):
+        if not _chains(calls[r].output, states[r + 1], rtol):
+            raise ValueError(
+                f"{call}: call {r + 1} of {module!r} does not receive the output of call {r}, "
+                "so one call is not one round (recall or a norm between rounds?); name the "
+                "module that holds a whole round or pass your own step(h, x)"
+            )
+    rec = calls[round]
+    mod = model.get_submodule(rec.module)
+    x = _replay_arg(call, rec.args, rec.kwargs, input_arg) if input_arg is not None else None
+
+    def step(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        args, kwargs = list(rec.args), dict(rec.kwargs)
+        args[state_arg] = h
+        if input_arg is not None:
+            if isinstance(input_arg, str):
+                kwargs[input_arg] = x
+            else:
+                args[input_arg] = x
+        with _eval_mode(model):
+            return mod(*args, **kwargs)
+
+    empty = states[0].new_zeros(0)
+    return RoundMap(step, empty if x is None else x, states[0], len(calls))
+
+
+def _chains(out: object, nxt: torch.Tensor, rtol: float) -> bool:
+    if not isinstance(out, torch.Tensor) or out.shape != nxt.shape:
+        return False
+    return bool(torch.allclose(nxt, out, rtol=rtol, atol=rtol * _norm(out)))
+
+
+def _replay_arg(call: str, args: tuple, kwargs: dict, where: int | str) -> torch.Tensor:
+    value = kwargs.get(where) if isinstance(where, str) else (
+        args[where] if -len(args) <= where < len(args) else None
+    )  # fmt: skip
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"{call}: argument {where!r} of the recorded call is {type(value).__name__}, not a "
+            f"tensor (the call had {len(args)} positional and keywords {sorted(kwargs)})"
+        )
+    return value
 
 
 @contextlib.contextmanager

@@ -308,3 +308,27 @@ def test_traced_jvps_agree_with_plain_jvps(monkeypatch):
         torch.testing.assert_close(
             out, torch.func.jvp(rm.T, (rm.h0,), (v,))[1], rtol=1e-12, atol=1e-12
         )
+
+
+@pytest.mark.parametrize("recall, input_arg", [("none", None), ("internal", "inject")])
+def test_replayed_round_of_a_recorded_block_is_the_models_own_round(recall, input_arg):
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=3, recall=recall)
+    model = LoopedGPT(cfg, generator=gen(0)).double()
+    idx = torch.randint(0, 16, (1, 4), generator=gen(1))
+    replay = lp.replay_round(model, idx, "blocks.0", input_arg=input_arg)
+    own = lp.round_map(model, idx)
+    h = torch.randn(1, 4, 8, dtype=f64, generator=gen(2))
+    assert replay.rounds == 3 and torch.equal(replay.h0, own.h0)
+    assert torch.equal(replay.T(h), own.T(h))
+    if input_arg is not None:  # the recorded input is x: input-dependence sees the recall
+        torch.testing.assert_close(replay.x, own.x)
+        a = lp.input_dependence(replay.step, h, replay.x, norm_tol=1e-6).value
+        b = lp.input_dependence(own.step, h, own.x, norm_tol=1e-6).value
+        assert a == pytest.approx(b, rel=1e-5) and a > 0
+
+
+def test_replay_refuses_calls_that_do_not_chain_into_rounds():
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=3, recall="add")
+    model = LoopedGPT(cfg, generator=gen(0)).double()
+    with pytest.raises(ValueError, match="replay_round: call 1 of 'blocks.0' does not receive"):
+        lp.replay_round(model, torch.zeros(1, 4, dtype=torch.long), "blocks.0")
