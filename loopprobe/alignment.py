@@ -30,7 +30,16 @@ from torch.func import jvp
 
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.updates import LossFn, Updates, per_visit_updates
-from loopprobe.visits import Forward, Output, Probe, attach, call_model, pick_output, seeded
+from loopprobe.visits import (
+    Forward,
+    Output,
+    Probe,
+    _restored,
+    attach,
+    call_model,
+    pick_output,
+    seeded,
+)
 
 
 def visit_kappa(
@@ -300,7 +309,7 @@ def bound_check(
         params = list({id(p): p for g in probe.groups() for p in g.params}.values())
     else:
         params = [p for p in model.parameters()]
-    with torch.enable_grad(), seeded(seed, params[0].device):
+    with torch.enable_grad(), seeded(seed, params[0].device), _restored(model):
         loss = loss_fn(call_model(model, inputs, forward), inputs)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
     new = [p.detach().clone() for p in params]
@@ -311,7 +320,7 @@ def bound_check(
     delta = [q.detach() - p.detach() for q, p in zip(new, params, strict=True)]
 
     def F_of(*values: torch.Tensor) -> torch.Tensor:
-        with seeded(seed, params[0].device), _swapped(model, params, values):
+        with seeded(seed, params[0].device), _restored(model), _swapped(model, params, values):
             return pick_output(call_model(model, inputs, forward), output, call=call)
 
     with torch.no_grad():

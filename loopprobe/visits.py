@@ -747,12 +747,26 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 
 @contextmanager
 def _restored(model: nn.Module) -> Iterator[None]:
-    """Put back train/eval flags and buffer values (e.g. BatchNorm running stats)."""
+    """Put back train/eval flags and buffer values (e.g. BatchNorm running stats).
+
+    Inside the block, train-mode BatchNorm layers run without running statistics: the
+    output is the same (train mode normalises with batch statistics), nothing is
+    updated, and torch.func transforms do not trip over in-place buffer updates.
+    """
     modes = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    stats = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            for key in ("running_mean", "running_var", "num_batches_tracked"):
+                if m._buffers.get(key) is not None:
+                    stats.append((m, key, m._buffers[key]))
+                    m._buffers[key] = None
     try:
         yield
     finally:
+        for m, key, b in stats:
+            m._buffers[key] = b
         for m, mode in modes:
             m.training = mode
         with torch.no_grad():

@@ -242,3 +242,28 @@ def test_acceptance_deepnorm_change_grows_like_R_deeploop_stays_flat_C_within_fa
     assert deepnorm.slope == pytest.approx(1.0, abs=0.15)
     assert deeploop.slope == pytest.approx(0.0, abs=0.15)
     assert deepnorm.C_ratio < 2.0 and deeploop.C_ratio < 2.0
+
+
+class BatchNormLoop(nn.Module):
+    """A looped block with BatchNorm in train mode: every forward updates running stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.bn(torch.tanh(self.lin(x)))
+        return x
+
+
+def test_probing_a_train_mode_batchnorm_model_leaves_its_running_stats_unchanged():
+    model = make(BatchNormLoop).train()
+    x, target = randn(5, 4), randn(5, 4, seed=7)
+    stats = {n: b.clone() for n, b in model.named_buffers()}
+    probe = lp.attach(model, sublayers=["lin"])
+    chk = probe.bound(x, mse(target), alpha=1.0, beta=1.0, max_iter=5)
+    assert chk.M == 3 and math.isfinite(chk.C)
+    for n, b in model.named_buffers():
+        assert torch.equal(b, stats[n]), n
