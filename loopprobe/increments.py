@@ -46,7 +46,7 @@ from torch import nn
 
 from loopprobe import plots
 from loopprobe.sweeps import grid, sweep
-from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach
+from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach, call_model
 
 __all__ = [
     "Growth",
@@ -214,8 +214,10 @@ def increments(
     physical sublayer), ``"role"`` (sublayers whose names agree up to their integer
     indices, e.g. ``blocks.*.attn``: the unrolled positions of an untied stack) or
     ``"auto"`` (``sublayer`` if any sublayer is visited twice, else ``role``).
-    ``copy=False`` keeps references to the visit tensors instead of clones (faster; only
-    for models that do not modify them in place).
+    Nothing but the increments (cloned unless ``copy=False``, which is faster but only
+    right for models that do not edit a branch output in place after it returns), the
+    first input and per-visit stream norms is kept: one visit session of the probe, no
+    full recording.
     Reference: DESIGN.md §3.
     """
     call = "increments"
@@ -225,30 +227,25 @@ def increments(
     probe = model if isinstance(model, Probe) else attach(_module(model, call), sublayers)
     if forward is None and callable(getattr(probe.model, "hidden", None)):
         forward = _hidden
-    with torch.no_grad():
-        rec = probe.record(inputs, forward=forward, copy=copy)
-    if not rec.visits:
-        raise ValueError(f"{call}: the forward pass made no visit to any sublayer; check inputs")
-    streams, incs = [], []
-    for v in rec.visits:
-        x = _stream_in(v, call)
-        z = inc_fn(v)
-        _check_increment(v, x, z, increment, call)
-        streams.append(x)
-        incs.append(z)
-    h0 = streams[0]
-    out = rec.output
+    visits, h0, x_rms, incs, out, last = _collect(probe, inputs, forward, inc_fn, increment, copy)
     if isinstance(out, torch.Tensor) and out.shape == h0.shape:
-        hN, source = out, "forward output"
+        hN, source = out.detach(), "forward output"
     else:
-        hN, source = streams[-1] + incs[-1], "last visit input + increment"
-    grouping, keys = _group_keys(rec.visits, group_by)
+        x, z, version = last
+        if x._version != version:
+            raise ValueError(
+                f"{call}: the stream read by the last visit ({visits[-1].sublayer!r}) was "
+                "modified in place afterwards, so h_N cannot be rebuilt as input + increment; "
+                "pass forward=lambda m, x: ... returning the final state"
+            )
+        hN, source = x.detach() + z, "last visit input + increment"
+    grouping, keys = _group_keys(visits, group_by)
     names = list(dict.fromkeys(keys))
     group_of = [names.index(k) for k in keys]
     with torch.no_grad():
         n = h0.numel()
-        after = [*streams[1:], hN]  # the stream after each visit, as the next one reads it
-        stream_rms = torch.stack([torch.linalg.vector_norm(h) for h in after]) / math.sqrt(n)
+        # the stream after visit i is what visit i+1 read (its RMS taken at call time)
+        stream_rms = torch.stack([*x_rms[1:], torch.linalg.vector_norm(hN) / math.sqrt(n)])
         h0_norm = float(torch.linalg.vector_norm(h0.double()))
         dist = float(torch.linalg.vector_norm((hN - h0).double()))
         cos, ratio = [], []
@@ -262,7 +259,7 @@ def increments(
             tr = float(np.trace(gram))
             ratio.append(float(gram.sum() / tr) if tr > 0 else math.nan)
     return Increments(
-        visits=[v.visit for v in rec.visits],
+        visits=visits,
         grouping=grouping,
         groups=names,
         group_of=group_of,
@@ -276,6 +273,38 @@ def increments(
         growth=dist / h0_norm if h0_norm > 0 else math.inf,
         hN_source=source,
     )
+
+
+def _collect(probe: Probe, inputs: Any, forward: Forward | None, inc_fn, increment, copy: bool):
+    """One forward through the probe's visit session, keeping per visit only what is needed.
+
+    At each visit's return: the RMS of the stream it read, its increment (a clone when
+    ``copy``, so later in-place edits cannot change it), a clone of the first visit's
+    input (``h_0``), and the last visit's input with its version counter (``h_N`` falls
+    back to input + increment and must detect an in-place edit of that input).
+    """
+    probe.sublayers(inputs, forward=forward)  # discovery (once per probe) needs the inputs
+    visits, x_rms, incs = [], [], []
+    keep: dict[str, Any] = {}
+
+    def leave(v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
+        rec = VisitRecord(v, args, kwargs, out)
+        x = _stream_in(rec, "increments")
+        z = inc_fn(rec)
+        _check_increment(rec, x, z, increment, "increments")
+        if not visits:
+            keep["h0"] = x.detach().clone()
+        visits.append(v)
+        x_rms.append(torch.linalg.vector_norm(x.detach()) / math.sqrt(x.numel()))
+        fresh = increment == "delta"  # out - x is a new tensor nobody else holds
+        incs.append(z.detach().clone() if copy and not fresh else z.detach())
+        keep["last"] = (x, incs[-1], x._version)
+
+    with torch.no_grad(), probe.session(None, leave, call="increments"):
+        out = call_model(probe.model, inputs, forward)
+    if not visits:
+        raise ValueError("increments: the forward pass made no visit to any sublayer; check inputs")
+    return visits, keep["h0"], x_rms, incs, out, keep["last"]
 
 
 def _hidden(model: nn.Module, inputs: Any) -> Any:

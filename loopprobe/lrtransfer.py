@@ -140,21 +140,26 @@ class LRTransfer:
                 else:
                     lr = float(means.idxmin())
                     row.update(best_lr=lr, best_index=_index(self.lrs, lr), best_loss=means.min())
+                row["fit_log2_lr"] = _vertex(means)
                 out.append(row)
         return pd.DataFrame(out)
 
     def drift(self) -> pd.DataFrame:
-        """Per panel: argmin indices over N, drift (last N - first N) and spread, in grid steps."""
+        """Per panel: argmin indices over N, drift (last N - first N) and spread, in grid steps,
+        and the drift of the parabola-fitted optimum in log2 lr (octaves)."""
         best = self.best()
         rows = []
         for level, sub in best.groupby(self.panel, sort=False) if self.panel else [(None, best)]:
             sub = sub[sub["best_index"] >= 0].sort_values("N")
             idx = [int(i) for i in sub["best_index"]]
+            fit = [float(x) for x in sub["fit_log2_lr"]]
             row = {
                 "N": [int(n) for n in sub["N"]],
                 "best_index": idx,
                 "best_lr": [float(x) for x in sub["best_lr"]],
                 "drift": idx[-1] - idx[0] if idx else math.nan,
+                "fit_log2_lr": fit,
+                "fit_drift_log2": fit[-1] - fit[0] if fit else math.nan,
                 "spread": max(idx) - min(idx) if idx else math.nan,
                 "edge": bool(idx) and (min(idx) == 0 or max(idx) == len(self.lrs) - 1),
             }
@@ -164,6 +169,24 @@ class LRTransfer:
     def plot(self, **kw: Any) -> Figure:
         """Loss vs lr (log x), a line per N, the argmin starred; a panel per ``panel``."""
         return plots.lr_transfer(self.rows, col=self.panel, **kw)
+
+
+def _vertex(means: pd.Series) -> float:
+    """log2 of the lr at the vertex of the parabola through the argmin and its neighbours.
+
+    Finer than the grid argmin (which moves in whole grid steps); NaN when the argmin is
+    at the grid's edge or the three points are not convex.
+    """
+    means = means.sort_index()
+    if len(means) < 3:
+        return math.nan
+    i = int(np.argmin(means.to_numpy()))
+    if i == 0 or i == len(means) - 1:
+        return math.nan
+    x = np.log2(means.index.to_numpy(dtype=float)[i - 1 : i + 2])
+    y = means.to_numpy()[i - 1 : i + 2]
+    a, b, _ = np.polyfit(x, y, 2)
+    return float(-b / (2 * a)) if a > 0 else math.nan
 
 
 def _index(grid: Sequence[float], lr: float) -> int:

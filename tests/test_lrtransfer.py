@@ -49,6 +49,18 @@ def test_best_lr_and_drift_are_counted_in_grid_steps():
     assert flat.drift == 0 and flat.spread == 0 and not flat.edge
 
 
+def test_parabola_fit_locates_the_optimum_between_grid_points():
+    best = _synthetic({1: 1, 2: 2, 8: 3}).best().set_index("N")
+    assert best.loc[1, "fit_log2_lr"] == pytest.approx(math.log2(3e-3), abs=0.1)
+    assert best.loc[2, "fit_log2_lr"] == pytest.approx(math.log2(1e-2), abs=0.1)
+    assert math.isnan(best.loc[8, "fit_log2_lr"])  # argmin at the grid edge
+    # a loss whose true optimum lies between two grid points
+    rows = [{"N": 1, "lr": lr, "seed": 0, "loss": (math.log2(lr) - math.log2(5e-3)) ** 2,
+             "diverged": False} for lr in LRS]  # fmt: skip
+    fit = LRTransfer(pd.DataFrame(rows), LRS).best().fit_log2_lr.item()
+    assert fit == pytest.approx(math.log2(5e-3), abs=1e-9)
+
+
 def test_diverged_cells_are_never_the_argmin():
     lt = _synthetic({1: 1, 2: 1}, diverge={(2, 1), (2, 0)})
     best = lt.best().set_index("N")

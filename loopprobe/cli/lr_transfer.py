@@ -125,4 +125,7 @@ def run(args: argparse.Namespace) -> int:
             f"{row['residual']}: best lr per N {row['N']} = [{lrs}]; drift {d} "
             f"grid steps, spread {row['spread']}" + (" (at the grid edge)" if row["edge"] else "")
         )
+        fit = ", ".join(f"{x:.2f}" for x in row["fit_log2_lr"])
+        print(f"  parabola-fitted optimum log2(lr) per N = [{fit}]; drift "
+              f"{row['fit_drift_log2']:+.2f} octaves")  # fmt: skip
     return 0
