@@ -145,42 +145,7 @@ def per_visit_updates(
                 + first_nonfinite_visit(probe, inputs, forward, seed)
             )
         counts = [sum(v.j == j for v in trace.visits) for j in range(len(groups))]
-        if memory == "low":
-            return _low_memory(loss, leaves, groups, counts, trace.visits, update, call)
-        flat = [t for _, ts in leaves for t in ts]
-        grads: tuple = (None,) * len(flat)
-        if loss.requires_grad and flat:
-            grads = torch.autograd.grad(loss, flat, allow_unused=True)
-    raw = [
-        torch.zeros(counts[j], g.sublayer.numel, dtype=_dtype(g.params), device=_device(g.params))
-        for j, g in enumerate(groups)
-    ]
-    visible = [torch.zeros(c, dtype=torch.bool) for c in counts]
-    n = 0
-    for v, ts in leaves:
-        parts = grads[n : n + len(ts)]
-        n += len(ts)
-        if not any(p is not None and bool(p.ne(0).any()) for p in parts):
-            continue  # unreachable, or reachable with an exactly zero gradient
-        visible[v.j][v.r] = True
-        raw[v.j][v.r] = torch.cat(
-            [
-                (p if p is not None else torch.zeros_like(t)).reshape(-1)
-                for p, t in zip(parts, ts, strict=True)
-            ]
-        )
-    bad = [not bool(torch.isfinite(r).all()) for r in raw]  # one check per sublayer
-    _raise_first_bad(
-        trace.visits, lambda v: bad[v.j] and not torch.isfinite(raw[v.j][v.r]).all(), call
-    )
-    G, method, history = _precondition(raw, groups, update, [r.sum(0) for r in raw])
-    names = [g.sublayer.name for g in groups]
-    norms = [g.norm(dim=1) for g in G]
-    tied = [g.sum(0) for g in G]
-    loss_value = float(loss.detach())
-    return Updates(
-        trace.visits, names, visible, norms, tied, method, loss_value, history, G, raw, "full"
-    )
+        return _collect(loss, leaves, groups, counts, trace.visits, update, call, memory)
 
 
 def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
@@ -193,19 +158,28 @@ def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
             )
 
 
-def _low_memory(loss, leaves, groups, counts, visits, update, call) -> Updates:
-    """Norms and tied sums streamed from the backward pass (no per-visit storage)."""
+def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Updates:
+    """Stream every visit's gradient out of the backward pass as soon as it is computed.
+
+    ``full``: each gradient is copied into its row of ``raw`` (R_j x n_j) and freed, so
+    the peak is one copy of all G, not two. ``low``: only running tied sums and squared
+    norms are kept; Adam's preconditioner needs the tied gradient first, so the
+    preconditioned norms take a second backward pass.
+    """
     flat = [(v, k, t) for v, ts in leaves for k, t in enumerate(ts)]
     offsets = [[0] for _ in groups]
     for g, off in zip(groups, offsets, strict=True):
         for p in g.params:
             off.append(off[-1] + p.numel())
+    raw = None
+    if memory == "full":
+        raw = [
+            torch.zeros(c, g.sublayer.numel, dtype=_dtype(g.params), device=_device(g.params))
+            for c, g in zip(counts, groups, strict=True)
+        ]
 
     def stream(scale: list[torch.Tensor] | None, retain: bool) -> tuple:
-        tied = [
-            torch.zeros(g.sublayer.numel, dtype=_dtype(g.params), device=_device(g.params))
-            for g in groups
-        ]
+        tied = [g.params[0].new_zeros(g.sublayer.numel) for g in groups]
         sq = [
             torch.zeros(c, dtype=torch.float64, device=t.device)
             for c, t in zip(counts, tied, strict=True)
@@ -222,13 +196,16 @@ def _low_memory(loss, leaves, groups, counts, visits, update, call) -> Updates:
 
             def hook(leaf: torch.Tensor) -> None:
                 g = leaf.grad.reshape(-1)
-                leaf.grad = None  # free it now: this is the point of the low-memory mode
+                leaf.grad = None  # free it now
+                seen[v.j][v.r] = True
+                if raw is not None:  # full mode: norms and sums later, vectorised
+                    raw[v.j][v.r, a:b] = g
+                    return
                 if scale is not None:
                     g = g * scale[v.j][a:b]
                 tied[v.j][a:b] += g
                 sq[v.j][v.r] += g.double().square().sum()
                 finite[v.j][v.r] &= torch.isfinite(g).all()
-                seen[v.j][v.r] = True
 
             return hook
 
@@ -243,31 +220,29 @@ def _low_memory(loss, leaves, groups, counts, visits, update, call) -> Updates:
         return tied, sq, seen, finite
 
     sgd = isinstance(update, str) and update.lower() == "sgd"
-    tied, sq, seen, finite = stream(None, retain=not sgd)
+    tied, sq, seen, finite = stream(None, retain=not sgd and raw is None)
+    if raw is not None:
+        tied = [r.sum(0) for r in raw]
+        sq = [r.double().square().sum(1) for r in raw]
+        finite = [torch.isfinite(r).all(1) for r in raw]
     _raise_first_bad(visits, lambda v: not bool(finite[v.j][v.r]), call)
-    scale_list = None
-    method = "sgd: G = dL/d delta (the step is -lr * G)"
-    history = [0.0] * len(groups)
+    # Visible: a gradient that exists and is not exactly zero.
+    visible = [s & (q > 0).cpu() for s, q in zip(seen, sq, strict=True)]
+    names = [g.sublayer.name for g in groups]
+    if raw is not None:
+        G, method, history = _precondition(raw, groups, update, tied)
+        norms, tieds = [g.norm(dim=1) for g in G], [g.sum(0) for g in G]
+        return Updates(
+            visits, names, visible, norms, tieds, method, float(loss.detach()), history, G, raw
+        )
+    method, history = "sgd: G = dL/d delta (the step is -lr * G)", [0.0] * len(groups)
     if not sgd:
         ones = [torch.ones(1, t.numel(), dtype=t.dtype, device=t.device) for t in tied]
         G1, method, history = _precondition(ones, groups, update, tied)
-        scale_list = [g[0] for g in G1]
-        tied, sq, seen, finite = stream(scale_list, retain=False)
-    names = [g.sublayer.name for g in groups]
-    norms = [s.sqrt().to(t.dtype) for s, t in zip(sq, tied, strict=True)]
-    visible = [s & (q > 0).cpu() for s, q in zip(seen, sq, strict=True)]
+        tied, sq, _, _ = stream([g[0] for g in G1], retain=False)
+    norms = [q.sqrt().to(t.dtype) for q, t in zip(sq, tied, strict=True)]
     return Updates(
-        visits,
-        names,
-        visible,
-        norms,
-        tied,
-        method,
-        float(loss.detach()),
-        history,
-        None,
-        None,
-        "low",
+        visits, names, visible, norms, tied, method, float(loss.detach()), history, memory="low"
     )
 
 
