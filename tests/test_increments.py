@@ -290,3 +290,46 @@ def test_cli_increments_table_and_bad_values(capsys, tmp_path):
 def test_module_and_function_names_do_not_collide_for_imports():
     assert callable(lp.increments) and inc_mod.increments is lp.increments
     assert inc_mod.role("blocks.12.attn") == "blocks.*.attn"
+
+
+def test_outputs_edited_in_place_after_the_visit_are_cloned_unless_copy_is_false():
+    from thirdparty_models import InplaceModel
+
+    model, x = make(InplaceModel, R=3), randn(2, 6)
+    with torch.no_grad():
+        first = model.block(x)  # the block's output before the caller's y.mul_(0.5)
+    kept = lp.increments(model, x)
+    refs = lp.increments(model, x, copy=False)
+    assert kept.inc_norm[0] == pytest.approx(float(first.norm()), rel=1e-12)
+    assert refs.inc_norm[0] == pytest.approx(0.5 * float(first.norm()), rel=1e-12)
+    assert kept.hN_source == "forward output"  # the model returns the (B, d) stream
+
+
+def test_stream_edited_in_place_after_the_last_visit_cannot_give_h_N():
+    class InplaceStream(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blk = torch.nn.Linear(6, 6)
+            self.head = torch.nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = x.clone()
+            for _ in range(3):
+                h += 0.1 * self.blk(h)  # the stream the visit read is edited in place
+            return self.head(h), h
+
+    model, x = make(InplaceStream), randn(2, 6)
+    scaled = lambda rec: 0.1 * rec.output  # noqa: E731
+    with pytest.raises(ValueError, match="modified in place.*forward="):
+        lp.increments(model, x, increment=scaled)
+    inc = lp.increments(model, x, increment=scaled, forward=lambda m, v: m(v)[1])
+    assert inc.hN_source == "forward output" and inc.stream_rms.shape == (3,)
+    h = x.clone()
+    with torch.no_grad():
+        rms = []
+        for _ in range(3):
+            rms.append(float(h.pow(2).mean().sqrt()))
+            h += 0.1 * model.blk(h)
+    # stream RMS after visits 0 and 1 = what visits 1 and 2 read, taken at call time
+    assert inc.stream_rms[:2] == pytest.approx(rms[1:], rel=1e-12)
+    assert inc.stream_rms[2] == pytest.approx(float(h.pow(2).mean().sqrt()), rel=1e-12)
