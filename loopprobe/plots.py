@@ -14,6 +14,7 @@ step), β/α (update-to-residual ratio), ρ(∂T/∂h) (spectral radius of one r
 
 from __future__ import annotations
 
+import io
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -47,10 +48,19 @@ _REF = {"color": "0.45", "linestyle": "--", "linewidth": 1.0}  # reference (theo
 # ------------------------------------------------------------------------------ helpers
 
 
+class PlotFigure(Figure):
+    """A matplotlib Figure that shows itself as a PNG in Jupyter (no pyplot needed)."""
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100)
+        return buf.getvalue()
+
+
 def _figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (5.0, 3.6)):
     """A Figure with seaborn's whitegrid style applied to its axes only (no global rc)."""
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
-        fig = Figure(figsize=(size[0] * ncols, size[1] * nrows), layout="constrained")
+        fig = PlotFigure(figsize=(size[0] * ncols, size[1] * nrows), layout="constrained")
         axes = fig.subplots(nrows, ncols, squeeze=False)
     return fig, axes
 
