@@ -15,7 +15,8 @@ Without a user model every section runs on the reference
 - ``visits``: physical sublayers and visits found on the model, M and M_g vs 2KR;
 - ``alignment``: κ_R and the bound check over R per scheme, fitted vs predicted slopes;
 - ``increments``: growth of ‖h_N − h_0‖/‖h_0‖ over N per residual rule and tying;
-- ``fixedpoint``: reachability, ρ(∂T/∂h) and ‖dh*/dx‖ for a recall variant.
+- ``coordcheck``: mup-style coordinate check across N after a few Adam steps;
+- ``fixedpoint``: reachability, ρ(∂T/∂h) and ‖dh*/dx‖ for recall variants trained briefly.
 
 Example::
 

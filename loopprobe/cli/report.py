@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Without --model: the reference LoopedGPT at a size for 2 CPU cores; DeepNorm vs "
             "DeepLoop over R (kappa_R, bound check and slopes), pre-norm 1/sqrt(N) vs 1/N over "
-            "an N ladder (increment growth), fixed-point diagnostics on recall variants. With "
+            "an N ladder (increment growth, coordinate check), fixed-point diagnostics on "
+            "briefly trained recall variants. With "
             "--model: every diagnostic that applies to that model, and why the others were "
             "skipped."
         ),
