@@ -660,6 +660,11 @@ def _increments_user(ctx: Context, inc: Any) -> Result:
             [{k: v for k, v in one.summary().items() if isinstance(v, (int, float, str))}]
         ),
         values=one.summary(),
+        notes=[
+            "each looped sublayer's output is taken as its residual increment; if your "
+            "sublayers return the updated stream, call lp.increments(model, inputs, "
+            "increment='delta') from Python"
+        ],
         figures=[
             Fig(
                 "increments_cosines",
