@@ -102,7 +102,7 @@ def visit_alignment(
     update: str | torch.optim.Optimizer = "sgd",
     method: str = "power",
     max_iter: int = 100,
-    tol: float = 1e-10,
+    tol: float | None = None,
     generator: torch.Generator | None = None,
     seed: int | None = 0,
     chunk_size: int | None = None,

@@ -216,7 +216,7 @@ def sensitivity_norms(
     visits: Sequence[Visit] | None = None,
     method: str = "power",
     max_iter: int = 100,
-    tol: float = 1e-10,
+    tol: float | None = None,
     generator: torch.Generator | None = None,
     seed: int | None = 0,
     chunk_size: int | None = None,
@@ -225,7 +225,8 @@ def sensitivity_norms(
 
     ``visits``: which visits carry an offset (default: the gradient-visible ones, measured
     with respect to F). Every operator is estimated in one batch: ``method="power"`` by
-    power iteration (``tol`` on the relative change of the estimate), ``"lanczos"`` by
+    power iteration (``tol`` on the relative change of the estimate; default 1e-10 in
+    float64 and 1e-5 in lower precision, where 1e-10 is below roundoff), ``"lanczos"`` by
     Lanczos on ``U^T U`` (:func:`loopprobe.linalg.operator_norm_krylov`; ``tol`` on the
     Ritz residual; far fewer iterations when the top singular values are close, memory
     ``max_iter`` vectors per operator). ``generator`` draws the start vectors and the
@@ -316,5 +317,7 @@ def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call) -> 
             )
         return w
 
+    if tol is None:
+        tol = 1e-10 if jac.dtype == torch.float64 else 1e-5
     solver = operator_norm if method == "power" else operator_norm_krylov
     return solver(matvec, rmatvec, v0, max_iter=max_iter, tol=tol)
