@@ -102,6 +102,16 @@ def test_kappa_is_one_for_every_sublayer_when_R_is_1(capsys):
     assert [s["kappa"] for s in out["sublayers"]] == pytest.approx([1.0, 1.0], rel=1e-12)
 
 
+def test_kappa_with_adam_in_float32_says_which_update_and_converges_at_the_float32_tolerance(
+    capsys,
+):
+    argv = ["kappa", "--K", "1", "--R", "2", "--update", "adam", "--dtype", "float32", *TINY]
+    out = run_json(capsys, *argv)
+    assert out["update"].startswith("adam (fresh, first step)")
+    assert out["M"] == 4 and 0 <= out["kappa"] <= 2
+    assert out["converged"] is True  # the default tol is 1e-5 outside float64
+
+
 def test_kappa_table_has_one_aligned_row_per_sublayer_and_the_kappa_R_line(capsys):
     assert main(["kappa", "--K", "1", "--R", "2", "--norm", "deepnorm", *TINY, *FAST]) == 0
     lines = capsys.readouterr().out.splitlines()
