@@ -6,7 +6,10 @@ n x n Jacobian with ``torch.func.jacrev`` and calls ``torch.linalg.eigvals``; th
 library runs ARPACK on a ``LinearOperator`` of JVPs (``lp.spectral_radius``).
 Targets (issue 5): >= 20x faster, relative error <= 1e-4. Not a test.
 
-    .venv/bin/python benchmarks/bench_spectral_radius.py [--seq-len 64 --d-model 64]
+    .venv/bin/python benchmarks/bench_spectral_radius.py [--seq-len 64 --d-model 64 --threads 1]
+
+On a shared machine one thread is the fair setting (two threads that wait on each other on a
+loaded box slow small JVPs down many times more than they speed up the dense eigvals).
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--k", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     cfg = GPTConfig(vocab_size=64, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                     K=1, R=8, recall="add", outer_norm=True)  # fmt: skip
@@ -35,7 +40,8 @@ def main() -> None:
     rm = lp.round_map(model, torch.randint(0, 64, (1, args.seq_len), generator=g))
     h = lp.round_residuals(rm.T, rm.h0, cfg.R).h  # the state the model's own rounds reach
     n = h.numel()
-    print(f"state dimension n = {n} (seq_len {args.seq_len} x d_model {args.d_model}), float64")
+    print(f"state dimension n = {n} (seq_len {args.seq_len} x d_model {args.d_model}), float64, "
+          f"{args.threads} thread(s)")  # fmt: skip
 
     start = time.perf_counter()
     sr = lp.spectral_radius(rm.T, h, k=args.k)

@@ -36,6 +36,7 @@ from loopprobe.fixedpoint import (
     round_residuals,
     spectral_radius,
 )
+from loopprobe.fixedpoint_study import recall_study
 from loopprobe.increments import (
     Growth,
     Increments,
@@ -106,6 +107,7 @@ __all__ = [
     "jacobian_norm",
     "observed_rate",
     "path_gains",
+    "recall_study",
     "reference_logprob",
     "replay_round",
     "round_map",

@@ -752,6 +752,8 @@ def input_dependence(
     tol: float = 1e-10,
     max_iter: int = 100,
     norm_tol: float = 1e-8,
+    solve_max_iter: int = 1000,
+    implicit: bool = True,
     generator: torch.Generator | None = None,
 ) -> InputDependence:
     """``||dh*/dx||`` by implicit differentiation, next to the unrolled ``||dh_R/dx||``.
@@ -764,14 +766,18 @@ def input_dependence(
     differentiated too (JVP/VJP through the R rounds); ``h0`` is None (start at ``x``, as
     the reference models do), a tensor held fixed, or a callable of ``x``. ``directions``
     has shape ``(m, *x.shape)`` (or ``x.shape``). Without recall ``J_x = 0``, so
-    ``dh*/dx = 0`` whatever the unrolled rounds do. Solver failures and NaN/inf come back
-    as ``converged=False`` with the reason. Reference: DESIGN.md §4 (input-dependence).
+    ``dh*/dx = 0`` whatever the unrolled rounds do. A GMRES solve that misses ``tol``
+    within ``solve_max_iter`` JVPs (VJPs), or NaN/inf, makes the implicit value NaN with
+    ``converged=False`` and the reason (the unrolled one is still computed);
+    ``implicit=False`` skips it (e.g. where no fixed point was reached).
+    Reference: DESIGN.md §4 (input-dependence).
     """
     call = "input_dependence"
     if not callable(step):
         raise TypeError(f"{call}: step must be a callable (h, x) -> T(h; x), got {step!r}")
     h_star = _check_state(call, h_star)
     x = _check_state(call, x)
+    _count(call, "solve_max_iter", solve_max_iter, 1)
     dirs = _directions(call, directions, x)
     start = _start(call, h0, h_star, x, rounds)
     gen = torch.Generator().manual_seed(0) if generator is None else generator
@@ -792,11 +798,20 @@ def input_dependence(
         dtype=np.float64,
     )
 
+    restart = min(n, 50)
+    cycles = max(1, -(-solve_max_iter // restart))
+
     def solve(op: LinearOperator, b: torch.Tensor) -> torch.Tensor:
         rhs = b.detach().reshape(-1).to(torch.float64).cpu().numpy()
-        sol, info = gmres(op, rhs, rtol=tol, atol=0.0, restart=min(n, 50), maxiter=max(n, 200))
+        sol, info = gmres(op, rhs, rtol=tol, atol=0.0, restart=restart, maxiter=cycles)
         stats["solves"] += 1
-        stats["failures"] += int(info != 0)
+        if info != 0:
+            stats["failures"] += 1
+            raise _SolveFailed(
+                f"GMRES missed rtol {tol:g} within {restart * cycles} JVPs/VJPs (is 1 close to "
+                "an eigenvalue of dT/dh, or h not a fixed point? check fixed_point and "
+                "spectral_radius)"
+            )
         return torch.as_tensor(sol).to(h_star).view(h_star.shape)
 
     def S(u: torch.Tensor) -> torch.Tensor:  # dh*/dx u
@@ -806,38 +821,43 @@ def input_dependence(
         return vjp_hx(solve(At, w.view(h_star.shape)))[1].detach()
 
     v0 = torch.randn(1, x.numel(), generator=gen, dtype=torch.float64).to(x)
+    reasons = []
     try:
-        implicit = _norm_of(S, St, v0, max_iter, norm_tol)
+        if not implicit:
+            raise _SolveFailed("not computed (implicit=False)")
+        implicit_norm = _norm_of(S, St, v0, max_iter, norm_tol)
         dir_implicit = [S(u) for u in dirs]
-        unrolled, dir_unrolled = None, [None] * len(dirs)
-        if rounds is not None:
+    except (_NonFinite, _SolveFailed) as err:
+        implicit_norm = Estimate(math.nan, 0, False, math.nan, "power")
+        dir_implicit = [torch.full_like(h_star, math.nan) for _ in dirs]
+        reasons.append(f"implicit: {err}")
+    unrolled, dir_unrolled = None, [None] * len(dirs)
+    if rounds is not None:
+        try:
             U, Ut = _unrolled(step, start, x, rounds)
             unrolled = _norm_of(U, Ut, v0, max_iter, norm_tol)
             dir_unrolled = [U(u) for u in dirs]
-    except _NonFinite as err:
-        nan = Estimate(math.nan, 0, False, math.nan, "power")
-        return InputDependence(
-            nan,
-            None,
-            math.nan,
-            _dir_frame(dirs[:0], [], []),
-            h_star.new_zeros((0, *h_star.shape)),
-            stats["solves"],
-            stats["failures"],
-            False,
-            f"{err}",
-        )
-    converged = implicit.converged and stats["failures"] == 0
-    converged = converged and (unrolled is None or unrolled.converged)
-    reason = _id_reason(implicit, unrolled, stats, tol)
-    gap = math.nan if unrolled is None else _gap(implicit.value, unrolled.value)
+        except _NonFinite as err:
+            unrolled = Estimate(math.nan, 0, False, math.nan, "power")
+            reasons.append(f"unrolled: {err}")
+    for name, est in (("implicit", implicit_norm), ("unrolled", unrolled)):
+        if est is not None and not est.converged and not math.isnan(est.value):
+            reasons.append(f"{name} norm: power iteration stopped at rel. change "
+                           f"{est.rel_change:.3g} > norm_tol {norm_tol:g}")  # fmt: skip
+    converged = not reasons
+    reason = "; ".join(reasons) or "all solves and norm iterations converged"
+    gap = math.nan if unrolled is None else _gap(implicit_norm.value, unrolled.value)
     frame = _dir_frame(dirs, dir_implicit, dir_unrolled)
     empty = h_star.new_zeros((0, *h_star.shape))
     tangents = torch.stack(dir_implicit) if dir_implicit else empty
     failures = stats["failures"]
     return InputDependence(
-        implicit, unrolled, gap, frame, tangents, stats["solves"], failures, converged, reason
+        implicit_norm, unrolled, gap, frame, tangents, stats["solves"], failures, converged, reason
     )
+
+
+class _SolveFailed(ArithmeticError):
+    pass
 
 
 def _directions(call: str, directions: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -918,21 +938,3 @@ def _dir_frame(dirs, implicit, unrolled) -> pd.DataFrame:
             gap = _norm(a - b) / nu / max(na, nb) if max(na, nb) > 0 else 0.0
         rows.append({"probe": f"direction {i}", "implicit": na, "unrolled": nb, "gap": gap})
     return pd.DataFrame(rows, columns=["probe", "implicit", "unrolled", "gap"])
-
-
-def _id_reason(implicit: Estimate, unrolled: Estimate | None, stats: dict, tol: float) -> str:
-    parts = []
-    if stats["failures"]:
-        parts.append(
-            f"{stats['failures']} of {stats['solves']} GMRES solves missed rtol {tol:g} "
-            "(is 1 an eigenvalue of dT/dh? check spectral_radius)"
-        )
-    if not implicit.converged:
-        parts.append(
-            f"implicit norm: power iteration stopped at rel. change {implicit.rel_change:.3g}"
-        )
-    if unrolled is not None and not unrolled.converged:
-        parts.append(
-            f"unrolled norm: power iteration stopped at rel. change {unrolled.rel_change:.3g}"
-        )
-    return "; ".join(parts) if parts else "all solves and norm iterations converged"

@@ -332,3 +332,13 @@ def test_replay_refuses_calls_that_do_not_chain_into_rounds():
     model = LoopedGPT(cfg, generator=gen(0)).double()
     with pytest.raises(ValueError, match="replay_round: call 1 of 'blocks.0' does not receive"):
         lp.replay_round(model, torch.zeros(1, 4, dtype=torch.long), "blocks.0")
+
+
+def test_a_singular_implicit_system_gives_nan_and_the_reason_quickly():
+    A = torch.diag(torch.tensor([1.0, 0.5, 0.2, 0.1], dtype=f64))  # 1 is an eigenvalue of dT/dh
+    T = lambda h, x: A @ h + x  # noqa: E731
+    x = torch.ones(4, dtype=f64)
+    dep = lp.input_dependence(T, torch.zeros(4, dtype=f64), x, rounds=3, solve_max_iter=40)
+    assert math.isnan(dep.value) and not dep.converged and dep.solver_failures == 1
+    assert dep.reason.startswith("implicit: GMRES missed rtol 1e-10 within 40 JVPs")
+    assert dep.unrolled.value == pytest.approx(4.0)  # d h_3/dx = A^3 + A^2 + A + I on e_0
