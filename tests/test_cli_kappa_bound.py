@@ -17,15 +17,6 @@ TINY = ["--d-model", "8", "--heads", "2", "--seq", "4", "--batch", "2", "--vocab
 FAST = ["--max-iter", "60", "--tol", "1e-9"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 ops run faster on one thread (and do not fight other processes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def run_json(capsys, *argv: str) -> dict:
     assert main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)

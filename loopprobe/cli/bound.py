@@ -32,7 +32,6 @@ from loopprobe.cli.kappa import (
     check_positive,
     describe,
     table,
-    tolerance,
 )
 
 ROW_KEYS = (
@@ -123,7 +122,7 @@ def build_report(args: argparse.Namespace) -> dict:
         output=first.output,
         seed=args.seed,
         max_iter=args.max_iter,
-        tol=tolerance(args, first.model),
+        tol=args.tol,
         generator=torch.Generator().manual_seed(args.seed),
     )
     frame = sweep.to_frame()

@@ -137,7 +137,7 @@ def add_target_args(parser: argparse.ArgumentParser, *, default_norm: str) -> No
         "--tol",
         type=float,
         default=None,
-        help="relative-change tolerance (1e-10 in float64, 1e-5 otherwise)",
+        help="relative-change tolerance (default: 1e-10 in float64, 1e-5 otherwise)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -251,13 +251,6 @@ def _device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def tolerance(args: argparse.Namespace, model: nn.Module) -> float:
-    if args.tol is not None:
-        return args.tol
-    p = next(model.parameters(), None)
-    return 1e-10 if p is not None and p.dtype == torch.float64 else 1e-5
-
-
 def describe(args: argparse.Namespace, R: Any) -> str:
     if args.model is not None:
         return f"{args.model}" + ("" if R is None else f" (R={R})")
@@ -307,7 +300,7 @@ def build_report(args: argparse.Namespace) -> dict:
             output=target.output,
             update=args.update,
             max_iter=args.max_iter,
-            tol=tolerance(args, target.model),
+            tol=args.tol,
             generator=torch.Generator().manual_seed(args.seed),
             seed=args.seed,
         )
