@@ -223,7 +223,7 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
     tied, sq, seen, finite = stream(None, retain=not sgd and raw is None)
     if raw is not None:
         tied = [r.sum(0) for r in raw]
-        sq = [r.double().square().sum(1) for r in raw]
+        sq = [torch.linalg.vector_norm(r, dim=1).double().square() for r in raw]
         finite = [torch.isfinite(r).all(1) for r in raw]
     _raise_first_bad(visits, lambda v: not bool(finite[v.j][v.r]), call)
     # Visible: a gradient that exists and is not exactly zero.
