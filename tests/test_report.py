@@ -125,7 +125,7 @@ def test_a_rerun_reads_the_sweep_cache_instead_of_recomputing(tmp_path, monkeypa
         return original(cfg)
 
     counting.version = original.version
-    monkeypatch.setattr(report, "_alignment_cell", counting)
+    monkeypatch.setattr(report.sections_alignment, "_alignment_cell", counting)
     tiny = report.ReportConfig(seq_len=4, d_model=8, n_heads=2, batch=1, Rs=(1, 2), power_iters=3)
     report.run_report(tmp_path, tiny, sections=["alignment"], progress=False, echo=lambda s: None)
     assert len(calls) == 4

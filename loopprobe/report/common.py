@@ -1,0 +1,149 @@
+"""Helpers the sections share: the reference model and batch, the user's model and inputs."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loopprobe import tasks
+from loopprobe.cli._common import load_object
+from loopprobe.report.config import ReportConfig, Skip, UserModel
+
+
+def _gpt(cfg: ReportConfig, **over: Any) -> nn.Module:
+    from loopprobe.models import GPTConfig, LoopedGPT
+
+    base = dict(
+        vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, d_model=cfg.d_model, n_heads=cfg.n_heads
+    )
+    seed = over.pop("seed", cfg.seed)
+    return LoopedGPT(GPTConfig(**{**base, **over}), generator=torch.Generator().manual_seed(seed))
+
+
+def _batch(cfg: ReportConfig, seed: int = 10_000) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return tasks.random_tokens(cfg.batch, cfg.seq_len, cfg.vocab_size, gen)
+
+
+def _lm_loss(targets: torch.Tensor) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    def loss(logits: torch.Tensor, _inputs: Any) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return loss
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The output F of a model: the tensor itself, ``.logits``, ``["logits"]`` or the first."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        return out.logits
+    if isinstance(out, dict):
+        if isinstance(out.get("logits"), torch.Tensor):
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        for v in out:
+            if isinstance(v, torch.Tensor):
+                return v
+    raise TypeError(f"report: the model returned {type(out).__name__} with no tensor in it")
+
+
+def _mean_square(output: Callable[[Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    """The default loss for a user's model: ``0.5 * mean(F^2)``, F picked by ``output``."""
+
+    def loss(out: Any, _inputs: Any) -> torch.Tensor:
+        return 0.5 * output(out).pow(2).mean()
+
+    return loss
+
+
+def _cfg_attr(model: nn.Module, *names: str) -> dict[str, Any] | None:
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not all(hasattr(cfg, n) for n in names):
+        return None
+    return {n: getattr(cfg, n) for n in names}
+
+
+def _need(module: str, issue: int) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise Skip(f"{module} is not available in this install ({err}; issue {issue})") from err
+
+
+def _call_with_model(fn: Callable, model: nn.Module) -> Any:
+    """``fn(model)`` when fn takes a required positional argument, else ``fn()``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return fn(model)
+    required = [
+        p
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return fn(model) if required else fn()
+
+
+def load_user_model(
+    model_spec: str,
+    inputs_spec: str | None = None,
+    loss_spec: str | None = None,
+    seed: int = 0,
+    output_spec: str | None = None,
+) -> UserModel:
+    """Import and build a user's model, inputs and loss; one-line errors for bad specs.
+
+    ``model_spec`` names a factory ``pkg.mod:fn`` returning an ``nn.Module``;
+    ``inputs_spec`` a function ``fn(model)`` or ``fn()`` returning what the model is called
+    with (a tensor or a tuple of positional arguments; default: random token ids when the
+    model has ``cfg.vocab_size`` and ``cfg.seq_len``); ``loss_spec`` a function
+    ``loss(output, inputs) -> scalar`` (default: half the mean square of the output F);
+    ``output_spec`` a function ``output(out) -> Tensor`` picking F from what the model
+    returns (default: the tensor, ``.logits``, ``["logits"]`` or the first tensor).
+    """
+    factory = load_object(model_spec, "--model")
+    try:
+        model = factory()
+    except Exception as err:  # noqa: BLE001 - the user's code: report it in one line
+        raise ValueError(
+            f"--model {model_spec!r}: calling it raised {type(err).__name__}: {err}"
+        ) from err
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"--model {model_spec!r} returned {type(model).__name__}, not a "
+            "torch.nn.Module; the factory must build and return the model"
+        )
+    if inputs_spec is not None:
+        fn = load_object(inputs_spec, "--inputs")
+        try:
+            inputs = _call_with_model(fn, model)
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(
+                f"--inputs {inputs_spec!r}: calling it raised {type(err).__name__}: {err}"
+            ) from err
+    else:
+        c = _cfg_attr(model, "vocab_size", "seq_len")
+        if c is None:
+            raise ValueError(
+                f"--model {model_spec!r}: the model has no cfg.vocab_size/seq_len, "
+                "so its inputs cannot be guessed; pass --inputs package.module:fn"
+            )
+        gen = torch.Generator().manual_seed(10_000 + seed)
+        inputs = tasks.random_tokens(2, c["seq_len"], c["vocab_size"], gen)[0]
+    if isinstance(inputs, list):
+        inputs = tuple(inputs)
+    output = load_object(output_spec, "--output") if output_spec is not None else first_tensor
+    if loss_spec is not None:
+        loss_fn, loss_name = load_object(loss_spec, "--loss"), f"--loss {loss_spec}"
+    else:
+        loss_fn, loss_name = _mean_square(output), "½·mean(F²) of the output (pass --loss)"
+    return UserModel(model_spec, model, inputs, loss_fn, loss_name, inputs_spec, loss_spec, output)

@@ -1,0 +1,155 @@
+"""Section ``fixedpoint``: reachability, ρ(∂T/∂h) and ‖dh*/dx‖ of one round per recall variant."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from loopprobe import tasks
+from loopprobe.report.common import _gpt, _need
+from loopprobe.report.config import Context, Fig, ReportConfig, Result, Skip
+
+
+def _fixedpoint_models(cfg: ReportConfig) -> tuple[list[tuple[str, nn.Module]], torch.Tensor, str]:
+    """The recall variants, trained briefly on ``cfg.fp_task`` when the study module exists."""
+    size = dict(seq_len=cfg.fp_seq_len, d_model=cfg.fp_d_model, n_heads=4, R=cfg.fp_R)
+    try:
+        from loopprobe import fixedpoint_study as study
+    except ImportError:
+        gen = torch.Generator().manual_seed(10_000)
+        idx = tasks.random_tokens(1, cfg.fp_seq_len, cfg.vocab_size, gen)[0]
+        fp_cfg = dataclasses.replace(cfg, seq_len=cfg.fp_seq_len, d_model=cfg.fp_d_model)
+        models = [
+            (
+                _variant(r, on),
+                _gpt(fp_cfg, K=1, R=cfg.fp_R, n_heads=4, norm="pre", recall=r, outer_norm=on),
+            )
+            for r, on in cfg.fp_variants
+        ]
+        return models, idx, "untrained (loopprobe.fixedpoint_study is not available)"
+    models = []
+    for r, on in cfg.fp_variants:
+        model, _ = study.train(cfg.fp_task, r, on, seed=cfg.seed, steps=cfg.fp_train_steps, **size)
+        models.append((_variant(r, on), model))
+    gen = torch.Generator().manual_seed(10_000)
+    idx = study.task_batch(cfg.fp_task, 1, cfg.fp_seq_len, gen)[0]
+    return models, idx, f"trained {cfg.fp_train_steps} AdamW steps on {cfg.fp_task}"
+
+
+def _variant(recall: str, outer_norm: bool) -> str:
+    return f"recall={recall}" + (", outer norm" if outer_norm else "")
+
+
+def fixedpoint_section(ctx: Context) -> Result:
+    """Reachability, ρ(∂T/∂h), ‖∂T/∂h‖ and ‖dh*/dx‖ of one round, per recall variant."""
+    fpm = _need("loopprobe.fixedpoint", 5)
+    cfg = ctx.cfg
+    if ctx.user is not None:
+        m = ctx.user.model
+        if not (callable(getattr(m, "step", None)) and callable(getattr(m, "embed", None))):
+            raise Skip(
+                f"needs the round map: {type(m).__name__} has no step(h, x) and "
+                "embed(inputs) methods (see docs/models-api.md)"
+            )
+        idx = ctx.user.inputs[0] if isinstance(ctx.user.inputs, tuple) else ctx.user.inputs
+        # a float64 copy: probing never changes the user's model
+        models, how = [("your model", copy.deepcopy(m))], "your model as given, float64 copy"
+    else:
+        models, idx, how = _fixedpoint_models(cfg)
+    traces, eig, rows = [], [], []
+    for name, model in tqdm(models, desc="fixed points", disable=not ctx.progress, leave=False):
+        row, trace, ev = _probe_round(fpm, name, model.double(), idx, cfg)
+        rows.append(row)
+        traces.append(trace)
+        eig.append(ev)
+    table = pd.DataFrame(rows)
+    notes = [f"models: {how}"]
+    if not table["converged"].all():
+        notes.append("input-dependence is measured only where the fixed point was reached")
+    R = getattr(getattr(models[0][1], "cfg", None), "R", "?")
+    return Result(
+        frames={
+            "residuals": pd.concat(traces, ignore_index=True),
+            "eigenvalues": pd.concat(eig, ignore_index=True),
+            "summary": table,
+        },
+        tables=[(f"Fixed point of one round (R = {R}, float64)", table)],
+        summary=table.drop(columns=["reason"]),
+        values={"variants": table.to_dict("records"), "models": how},
+        notes=notes,
+        figures=[
+            Fig(
+                "fixedpoint_residuals",
+                "Residual ‖T(h_k) − h_k‖/‖h_k‖ of plain (Picard) and "
+                "Anderson iteration of one round; a straight line is linear convergence at "
+                "rate ρ.",
+                "residuals",
+                "fixed_point_residuals",
+                {"tol": 1e-6},
+            ),
+            Fig(
+                "fixedpoint_eigenvalues",
+                "Top eigenvalues of ∂T/∂h at the reached state "
+                "(Arnoldi on JVPs) against the unit circle.",
+                "eigenvalues",
+                "eigenvalues",
+            ),
+        ],
+    )
+
+
+def _probe_round(fpm: Any, name: str, model: nn.Module, idx: torch.Tensor, cfg: ReportConfig):
+    """One variant: Picard and Anderson traces, spectrum, norm, input-dependence, R rounds."""
+    rm = fpm.round_map(model, idx)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    runs = {
+        meth: fpm.fixed_point(rm.T, rm.h0, tol=1e-6, max_iter=cfg.fp_max_iter, method=meth)
+        for meth in ("picard", "anderson")
+    }
+    fp = runs["picard"] if runs["picard"].converged else runs["anderson"]
+    trace = pd.concat(
+        [run.to_frame().assign(variant=f"{name} ({meth})") for meth, run in runs.items()],
+        ignore_index=True,
+    )
+    sr = fpm.spectral_radius(rm.T, fp.h, k=6, generator=gen)
+    jn = fpm.jacobian_norm(rm.T, fp.h, generator=gen, max_iter=50, tol=1e-6)
+    row = {
+        "variant": name,
+        "converged": fp.converged,
+        "method": fp.method,
+        "iterations": fp.iterations,
+        "rate": fp.rate,
+        "ρ(∂T/∂h)": sr.value,
+        "ρ converged": sr.converged,
+        "‖∂T/∂h‖": jn.value,
+    }
+    if fp.converged:
+        dep = fpm.input_dependence(
+            rm.step,
+            fp.h,
+            rm.x,
+            rounds=rm.rounds,
+            generator=gen,
+            max_iter=30,
+            norm_tol=1e-4,
+            tol=1e-8,
+        )
+        row.update(
+            {
+                "‖dh*/dx‖ implicit": dep.value,
+                "‖dh_R/dx‖ unrolled": dep.unrolled.value if dep.unrolled else math.nan,
+                "dh/dx converged": dep.converged,
+            }
+        )
+    if rm.rounds is not None:
+        rr = fpm.round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
+        row.update({"residual after R rounds": rr.residual, "distance to h*": rr.distance})
+    row["reason"] = fp.reason
+    return row, trace, sr.to_frame().assign(variant=name)
