@@ -6,7 +6,6 @@ the repository root, at the reduced size ``LOOPPROBE_NOTEBOOK_SMALL=1``.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -55,15 +54,8 @@ def test_stored_notebooks_match_the_build_script():
     assert proc.returncode == 0, proc.stderr
 
 
-# modules a notebook needs that are still being written elsewhere: skip (never fail) without
-NEEDS = {"03_fixed_points": "loopprobe.fixedpoint_study"}
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_end_to_end_at_reduced_size(path, monkeypatch):
-    need = NEEDS.get(path.stem)
-    if need and importlib.util.find_spec(need) is None:
-        pytest.skip(f"{need} has not landed yet")
     monkeypatch.setenv("LOOPPROBE_NOTEBOOK_SMALL", "1")
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
     nb = nbformat.read(path, as_version=4)
