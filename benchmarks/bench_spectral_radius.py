@@ -43,6 +43,12 @@ def main() -> None:
     print(f"state dimension n = {n} (seq_len {args.seq_len} x d_model {args.d_model}), float64, "
           f"{args.threads} thread(s)")  # fmt: skip
 
+    # warm-up of both sides on a tiny map: the first forward-mode JVP in a process loads
+    # torch's JVP decompositions (about 1 s) and the first jacrev sets up vmap
+    tiny = torch.randn(8, dtype=torch.float64, generator=g)
+    lp.spectral_radius(torch.tanh, tiny, k=2)
+    torch.linalg.eigvals(torch.func.jacrev(torch.tanh)(tiny))
+
     start = time.perf_counter()
     sr = lp.spectral_radius(rm.T, h, k=args.k)
     t_arnoldi = time.perf_counter() - start
