@@ -192,11 +192,12 @@ def test_rotation_comes_back_right_or_unconverged_never_converged_and_wrong(k):
         assert sr.residuals.max() <= 1e-6
 
 
-def test_arpack_failure_is_reported_not_raised():
+def test_arpack_failure_is_reported_not_raised_with_an_uncertified_ritz_value():
     A = rotation(40, 0.9)
     sr = lp.spectral_radius(lambda h: A @ h, torch.ones(40, dtype=f64), k=6, max_iter=1)
-    assert not sr.converged and math.isnan(sr.value)
-    assert sr.reason.startswith("ARPACK did not converge")
+    assert not sr.converged and sr.method == "arnoldi-ritz"
+    assert sr.reason.startswith("ARPACK did not converge: 0 of 6")
+    assert 0 < sr.value <= 0.9 + 1e-12  # Ritz values of a normal matrix lie in its field of values
     assert sr.estimate().converged is False
 
 
