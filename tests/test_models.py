@@ -231,3 +231,11 @@ def test_reference_models_convert_to_float64_like_any_module():
     idx = torch.randint(0, 64, (1, 8), generator=gen())
     assert hrm(idx).dtype == torch.float64
     assert gpt(idx).dtype == torch.float64
+
+
+def test_building_a_model_with_a_generator_leaves_the_global_rng_alone():
+    before = torch.random.get_rng_state()
+    LoopedGPT(GPTConfig(recall="linear", tie_embeddings=False), gen())
+    HierarchicalLoop(HRMConfig(), gen())
+    LinearLoop(LinearLoopConfig(recall=True), gen())
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from loopprobe import theory
-from loopprobe.models.layers import POST_NORMS, PRE_NORMS, Block, RMSNorm, xavier_normal
+from loopprobe.models.layers import (
+    POST_NORMS,
+    PRE_NORMS,
+    Block,
+    RMSNorm,
+    no_global_draws,
+    xavier_normal,
+)
 
 NORMS = PRE_NORMS + POST_NORMS
 RESIDUALS = ("none", "1/sqrt(N)", "1/N", "loop-mup")
@@ -147,15 +154,16 @@ class LoopedGPT(nn.Module):
         def block() -> Block:
             return Block(D, cfg.n_heads, cfg.mlp_ratio, cfg.norm, cfg.alpha, cfg.eps, cfg.dropout)
 
-        self.tok_emb = nn.Embedding(cfg.vocab_size, D)
-        self.pos_emb = nn.Embedding(cfg.seq_len, D)
-        self.prelude = nn.ModuleList(block() for _ in range(cfg.prelude))
-        self.blocks = nn.ModuleList(block() for _ in range(cfg.K if cfg.tied else cfg.N))
-        self.coda = nn.ModuleList(block() for _ in range(cfg.coda))
-        self.recall = nn.Linear(2 * D, D, bias=False) if cfg.recall == "linear" else None
-        self.outer_norm = RMSNorm(D) if cfg.outer_norm else None
-        self.final_norm = RMSNorm(D)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(D, cfg.vocab_size, bias=False)
+        with no_global_draws():  # default inits are overwritten below
+            self.tok_emb = nn.Embedding(cfg.vocab_size, D)
+            self.pos_emb = nn.Embedding(cfg.seq_len, D)
+            self.prelude = nn.ModuleList(block() for _ in range(cfg.prelude))
+            self.blocks = nn.ModuleList(block() for _ in range(cfg.K if cfg.tied else cfg.N))
+            self.coda = nn.ModuleList(block() for _ in range(cfg.coda))
+            self.recall = nn.Linear(2 * D, D, bias=False) if cfg.recall == "linear" else None
+            self.outer_norm = RMSNorm(D) if cfg.outer_norm else None
+            self.final_norm = RMSNorm(D)
+            self.lm_head = None if cfg.tie_embeddings else nn.Linear(D, cfg.vocab_size, bias=False)
         self._init_weights(generator)
 
     def _init_weights(self, generator: torch.Generator | None) -> None:

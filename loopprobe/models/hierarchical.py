@@ -15,7 +15,7 @@ from torch import nn
 
 from loopprobe import theory
 from loopprobe.models.gpt import NORMS, _at_least, _choice
-from loopprobe.models.layers import Block, RMSNorm
+from loopprobe.models.layers import Block, RMSNorm, no_global_draws
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,12 @@ class HierarchicalLoop(nn.Module):
         def block() -> Block:
             return Block(D, cfg.n_heads, cfg.mlp_ratio, cfg.norm, cfg.alpha, 1.0)
 
-        self.tok_emb = nn.Embedding(cfg.vocab_size, D)
-        self.pos_emb = nn.Embedding(cfg.seq_len, D)
-        self.H_blocks = nn.ModuleList(block() for _ in range(cfg.K_H))
-        self.L_blocks = nn.ModuleList(block() for _ in range(cfg.K_L))
-        self.final_norm = RMSNorm(D)
+        with no_global_draws():  # default inits are overwritten below
+            self.tok_emb = nn.Embedding(cfg.vocab_size, D)
+            self.pos_emb = nn.Embedding(cfg.seq_len, D)
+            self.H_blocks = nn.ModuleList(block() for _ in range(cfg.K_H))
+            self.L_blocks = nn.ModuleList(block() for _ in range(cfg.K_L))
+            self.final_norm = RMSNorm(D)
         for emb in (self.tok_emb, self.pos_emb):
             with torch.no_grad():
                 emb.weight.copy_(0.02 * torch.randn(emb.weight.shape, generator=generator))

@@ -149,6 +149,15 @@ class Block(nn.Module):
         return ["attn.f.v.weight", "attn.f.o.weight", "mlp.f.fc1.weight", "mlp.f.fc2.weight"]
 
 
+def no_global_draws():
+    """Build modules without drawing from torch's global RNG.
+
+    The reference models overwrite every default init from their own ``generator``, so
+    constructing one must not move the global random state (randomness is an argument).
+    """
+    return torch.random.fork_rng(devices=[])
+
+
 def xavier_normal(w: torch.Tensor, gain: float, generator: torch.Generator | None) -> None:
     """In-place Xavier-normal init ``N(0, gain^2 * 2 / (fan_in + fan_out))`` from ``generator``."""
     fan_out, fan_in = w.shape

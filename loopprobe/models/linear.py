@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from loopprobe.models.gpt import _at_least, _choice
-from loopprobe.models.layers import RMSNorm
+from loopprobe.models.layers import RMSNorm, no_global_draws
 
 FORMS = ("residual", "norm")
 
@@ -52,9 +52,10 @@ class LinearLoop(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.d
-        self.W = nn.Linear(d, d, bias=False)
-        self.U = nn.Linear(d, d, bias=False) if cfg.recall else None
-        self.norm = RMSNorm(d, affine=False) if cfg.form == "norm" else None
+        with no_global_draws():  # default inits are overwritten below
+            self.W = nn.Linear(d, d, bias=False)
+            self.U = nn.Linear(d, d, bias=False) if cfg.recall else None
+            self.norm = RMSNorm(d, affine=False) if cfg.form == "norm" else None
         with torch.no_grad():
             if cfg.spectrum is None:
                 self.W.weight.copy_(torch.randn(d, d, generator=generator) / d**0.5)
