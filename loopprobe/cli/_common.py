@@ -53,3 +53,15 @@ def to_jsonable(obj: Any) -> Any:
 
 def print_json(obj: Any) -> None:
     print(json.dumps(to_jsonable(obj), indent=2))
+
+
+def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Aligned plain-text rows: first column (names) left-aligned, the rest right-aligned."""
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    return [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in [head, *rows]
+    ]

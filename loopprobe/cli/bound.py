@@ -24,14 +24,13 @@ import torch
 
 from loopprobe import theory
 from loopprobe.alignment import bound_sweep
-from loopprobe.cli._common import int_list, print_json
+from loopprobe.cli._common import int_list, print_json, text_table
 from loopprobe.cli.kappa import (
     _fmt,
     add_target_args,
     build_target,
     check_positive,
     describe,
-    table,
 )
 
 ROW_KEYS = (
@@ -193,7 +192,7 @@ def format_report(report: dict) -> str:
         ]
         for r in report["rows"]
     ]
-    lines += table(head, rows)
+    lines += text_table(head, rows)
     tail = (
         f"log-log slope in R: ||dF|| {_fmt(report['slope'])} (first-order "
         f"{_fmt(report['slope_first'])}), prediction {_fmt(report['slope_prediction'])}"

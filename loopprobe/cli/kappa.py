@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from loopprobe import tasks
-from loopprobe.cli._common import load_object, print_json
+from loopprobe.cli._common import load_object, print_json, text_table
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.visits import attach
 
@@ -353,18 +353,6 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
-def table(head: list[str], rows: list[list[str]]) -> list[str]:
-    """Aligned plain-text rows: first column left-aligned, the rest right-aligned."""
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    return [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in [head, *rows]
-    ]
-
-
 def format_report(report: dict) -> str:
     lines = [f"loopprobe kappa: {report['model']}"]
     lines.append(
@@ -396,7 +384,7 @@ def format_report(report: dict) -> str:
         "converged",
     ]
     rows = [[_fmt(s.get(k)) for k in keys] for s in report["sublayers"]]
-    lines += table(head, rows)
+    lines += text_table(head, rows)
     lines.append(
         f"kappa_R = {_fmt(report['kappa'])} (max over sublayers; 0 <= kappa_j <= R_j: "
         "R_j when visits align, O(1) when they decorrelate)"

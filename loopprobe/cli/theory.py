@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from loopprobe import theory
-from loopprobe.cli._common import print_json
+from loopprobe.cli._common import print_json, text_table
 
 _HRM_ARGS = ("C", "K_H", "C_L", "K_L")
 
@@ -105,7 +105,7 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
-def format_table(report: dict) -> str:
+def formattext_table(report: dict) -> str:
     """The report as aligned plain-text tables (one row per scheme)."""
     head = ["scheme", "p", "alpha", "beta", "beta/alpha", "N", "M", "M(b/a)^2", "MR(b/a)^2"]
     rows = []
@@ -117,7 +117,7 @@ def format_table(report: dict) -> str:
                         + [str(r["N"]), str(r["M"])]
                         + [_fmt(r["untied_bound"]), _fmt(r["aligned_tied_bound"])])  # fmt: skip
     lines = [f"K={report['K']} physical blocks, R={report['R']} rounds (seed 002, Eqs. 5-16)"]
-    lines += _table(head, rows)
+    lines += text_table(head, rows)
     if "p_threshold" in report:
         t = report["p_threshold"]
         lines.append(
@@ -143,20 +143,8 @@ def format_table(report: dict) -> str:
                 hrows.append(
                     [name, _fmt(r["p"]), _fmt(r["ratio"]), f"[{_fmt(b_lo)}, {_fmt(b_hi)}]"]
                 )
-        lines += _table(["scheme", "p", "beta/alpha", "M_g kappa_bar (b/a)^2"], hrows)
+        lines += text_table(["scheme", "p", "beta/alpha", "M_g kappa_bar (b/a)^2"], hrows)
     return "\n".join(lines)
-
-
-def _table(head: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    # first column (names) left-aligned, numbers right-aligned
-    return [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in [head, *rows]
-    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,5 +152,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(report)
     else:
-        print(format_table(report))
+        print(formattext_table(report))
     return 0
