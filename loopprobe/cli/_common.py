@@ -55,6 +55,15 @@ def print_json(obj: Any) -> None:
     print(json.dumps(to_jsonable(obj), indent=2))
 
 
+def emit(report: dict, as_json: bool, format_text: Callable[[dict], str]) -> int:
+    """Print a command's report as one JSON object or as text; exit code 0."""
+    if as_json:
+        print_json(report)
+    else:
+        print(format_text(report))
+    return 0
+
+
 def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
     """Aligned plain-text rows: first column (names) left-aligned, the rest right-aligned."""
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]

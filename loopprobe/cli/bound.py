@@ -24,7 +24,7 @@ import torch
 
 from loopprobe import theory
 from loopprobe.alignment import bound_sweep
-from loopprobe.cli._common import int_list, print_json, text_table
+from loopprobe.cli._common import emit, int_list, text_table
 from loopprobe.cli.kappa import (
     _fmt,
     add_target_args,
@@ -209,9 +209,4 @@ def format_report(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = build_report(args)
-    if args.json:
-        print_json(report)
-    else:
-        print(format_report(report))
-    return 0
+    return emit(build_report(args), args.json, format_report)

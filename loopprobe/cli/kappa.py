@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from loopprobe import tasks
-from loopprobe.cli._common import load_object, print_json, text_table
+from loopprobe.cli._common import emit, load_object, text_table
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.visits import attach
 
@@ -397,9 +397,4 @@ def format_report(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = build_report(args)
-    if args.json:
-        print_json(report)
-    else:
-        print(format_report(report))
-    return 0
+    return emit(build_report(args), args.json, format_report)

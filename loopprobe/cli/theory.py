@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from loopprobe import theory
-from loopprobe.cli._common import print_json, text_table
+from loopprobe.cli._common import emit, text_table
 
 _HRM_ARGS = ("C", "K_H", "C_L", "K_L")
 
@@ -105,7 +105,7 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
-def formattext_table(report: dict) -> str:
+def format_table(report: dict) -> str:
     """The report as aligned plain-text tables (one row per scheme)."""
     head = ["scheme", "p", "alpha", "beta", "beta/alpha", "N", "M", "M(b/a)^2", "MR(b/a)^2"]
     rows = []
@@ -148,9 +148,4 @@ def formattext_table(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = build_report(args)
-    if args.json:
-        print_json(report)
-    else:
-        print(formattext_table(report))
-    return 0
+    return emit(build_report(args), args.json, format_table)
