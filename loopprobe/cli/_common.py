@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 
 def int_list(text: str) -> list[int]:
     """Parse ``"1,2,4"`` into ``[1, 2, 4]`` (for argparse ``type=``)."""
@@ -74,3 +76,11 @@ def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
         ).rstrip()
         for row in [head, *rows]
     ]
+
+
+def setup_sweep(args: Any) -> None:
+    """Shared start of the sweep commands: check ``--seeds``, then apply ``--threads``."""
+    if args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds}: give at least 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)

@@ -20,9 +20,7 @@ import importlib
 import pathlib
 import re
 
-import torch
-
-from loopprobe.cli._common import int_list, print_json
+from loopprobe.cli._common import int_list, print_json, setup_sweep
 
 _cc = importlib.import_module("loopprobe.coordcheck")
 
@@ -75,10 +73,7 @@ def _slug(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds {args.seeds}: give at least 1")
+    setup_sweep(args)
     quantities = [q.strip() for q in args.quantities.split(",") if q.strip()]
     bad = [q for q in quantities if q not in _cc.QUANTITIES]
     if bad:

@@ -20,9 +20,8 @@ import math
 import pathlib
 
 import pandas as pd
-import torch
 
-from loopprobe.cli._common import int_list, print_json
+from loopprobe.cli._common import int_list, print_json, setup_sweep
 from loopprobe.models.gpt import RESIDUALS
 
 # the module, not the function ``lp.increments`` that shadows it on the package
@@ -90,10 +89,7 @@ def _h0(text: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds {args.seeds}: give at least 1")
+    setup_sweep(args)
     h0 = _h0(args.h0_rms)
     results = []
     for tying in args.tying:

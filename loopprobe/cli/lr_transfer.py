@@ -18,9 +18,7 @@ import argparse
 import importlib
 import pathlib
 
-import torch
-
-from loopprobe.cli._common import int_list, print_json
+from loopprobe.cli._common import int_list, print_json, setup_sweep
 from loopprobe.models.gpt import RESIDUALS
 
 _lt = importlib.import_module("loopprobe.lrtransfer")
@@ -73,10 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds {args.seeds}: give at least 1")
+    setup_sweep(args)
     lt = _lt.reference_lr_transfer(
         args.residual,
         args.N,
