@@ -20,13 +20,14 @@ Reference: seed 002, Eq. 11-12 and Assumption 3.1.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pandas as pd
 import torch
-from torch.func import jvp, vjp, vmap
+from torch.func import vjp, vmap
 
+from loopprobe.autodiff import JVP, dtypes_on_path, is_half, lowest_precision
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov
 from loopprobe.visits import Forward, Output, Probe, Visit, call_model, pick_output, seeded
 
@@ -47,6 +48,33 @@ class Sensitivity:
     UTw: dict[int, torch.Tensor] = field(default_factory=dict)
     F_norm: float = float("nan")
     method: str = "power"
+    jvp_mode: str = "forward mode"
+    precision: str = ""
+
+    @property
+    def converged(self) -> bool:
+        """Every operator-norm estimate (each visit and each tied sum) converged."""
+        return all(e.converged for e in (*self.visit_norms, *self.tied_norms.values()))
+
+    @property
+    def reason(self) -> str:
+        """What did not converge, in words ("" when everything did)."""
+        if self.converged:
+            return ""
+        bad = [
+            f"{v.sublayer} r={v.r}"
+            for v, e in zip(self.visits, self.visit_norms)
+            if not e.converged
+        ]
+        bad += [
+            f"{self.sublayers[j]} (tied)" for j, e in self.tied_norms.items() if not e.converged
+        ]
+        it = max(e.iterations for e in self.visit_norms)
+        text = f"{len(bad)} operator-norm estimate(s) not converged after up to {it} iterations"
+        text += f" ({self.method}): " + ", ".join(bad[:6]) + (" ..." if len(bad) > 6 else "")
+        if "not certified" in self.precision:
+            text += f"; precision: {self.precision}"
+        return text
 
     def to_frame(self) -> pd.DataFrame:
         rows = []
@@ -65,7 +93,10 @@ class Sensitivity:
                     "method": est.method,
                 }
             )
-        return pd.DataFrame(rows)
+        df = pd.DataFrame(rows)
+        df.attrs.update(converged=self.converged, reason=self.reason, jvp=self.jvp_mode)
+        df.attrs["precision"] = self.precision
+        return df
 
 
 class VisitJacobian:
@@ -104,11 +135,53 @@ class VisitJacobian:
         self._expected: list[tuple[int, int]] | None = None
         self._vjp_fn = None
         self.F0: torch.Tensor | None = None
+        self.jvp = JVP(probe.model, call)
+        self.buffer_writes: list[str] | None = None
+        self.buffer_places = [
+            (mod, name)
+            for mod in probe.model.modules()
+            for name, b in mod._buffers.items()
+            if b is not None
+        ]
+        self.dtypes: set[torch.dtype] = {self.dtype}
 
     # -- the function --------------------------------------------------------------
     def f(self, *deltas: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Flattened F, computing with ``deltas[k]`` (one tensor per parameter, the value
-        ``phi_j + delta``) in place of ``phi_j`` at the k-th selected visit."""
+        ``phi_j + delta``) in place of ``phi_j`` at the k-th selected visit.
+
+        A model that writes its buffers in place during forward (running statistics, a
+        cache) cannot be transformed as it is (``torch.func`` refuses to mutate captured
+        tensors): then F is functionalized with fresh copies of the buffers as inputs, the
+        writes become out-of-place, and JVPs come from reverse mode.
+        """
+        if self.buffer_writes is None:
+            return self._f(*deltas)
+        places = self.buffer_places
+        fresh = [mod._buffers[name].clone() for mod, name in places]
+        return torch.func.functionalize(self._f_with_buffers, remove="mutations_and_views")(
+            deltas, fresh
+        )
+
+    def _f_with_buffers(self, deltas: tuple, buffers: list[torch.Tensor]) -> torch.Tensor:
+        saved = [mod._buffers[name] for mod, name in self.buffer_places]
+        try:
+            for (mod, name), b in zip(self.buffer_places, buffers, strict=True):
+                mod._buffers[name] = b
+            return self._f(*deltas)
+        finally:
+            for (mod, name), b in zip(self.buffer_places, saved, strict=True):
+                mod._buffers[name] = b
+
+    def _written_buffers(self) -> list[str]:
+        """Names of the buffers one plain forward changes (``_restored`` puts them back)."""
+        named = list(self.probe.model.named_buffers())
+        before = [b._version for _, b in named]  # bumped by the write (and by the restore)
+        with torch.no_grad():
+            self._f(*self.primals)
+        return [n for (n, b), old in zip(named, before, strict=True) if b._version != old]
+
+    def _f(self, *deltas: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
         def enter(v: Visit, module: Any, args: tuple, kwargs: dict) -> Sequence | None:
             k = self.pos.get(v.i)
@@ -143,8 +216,24 @@ class VisitJacobian:
         if self._vjp_fn is None:
             # Outer no_grad: torch.func still differentiates, but no autograd graph is
             # recorded for the model's own parameters (much faster, less memory).
-            with torch.no_grad():
-                self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+            try:
+                with torch.no_grad():
+                    self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+            except RuntimeError as e:
+                if "mutate a captured Tensor" not in str(e) or self.buffer_writes is not None:
+                    raise
+                written = self._written_buffers()
+                self.buffer_writes = written
+                self.jvp.reverse = True
+                self.jvp.mode = (
+                    "reverse mode (a VJP of a VJP) on a functionalized forward: the model "
+                    f"writes buffers in place ({', '.join(written) or 'a captured tensor'})"
+                )
+                with torch.no_grad():
+                    self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+            # Tolerances follow the lowest precision the forward computes in, not the
+            # parameters' dtype (a float64 model may cast F, a norm or RoPE to float32).
+            self.dtypes = dtypes_on_path(lambda: self.f(*self.primals)) | {self.F0.dtype}
             if not torch.isfinite(self.F0).all():
                 from loopprobe.updates import first_nonfinite_visit
 
@@ -172,7 +261,7 @@ class VisitJacobian:
 
     def jvp_one(self, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         tangents = tuple(self.unflatten(k, mask[k] * v[: self.n[k]]) for k in range(len(self.n)))
-        return jvp(self.f, self.primals, tangents)[1]
+        return self.jvp(self.f, self.primals, tangents)[1]
 
     def vjp_one(self, u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         grads = self.flat_grads(self.vjp_fn()(u))
@@ -256,6 +345,9 @@ def sensitivity_norms(
     assert jac.F0 is not None
     m = jac.F0.numel()
     ests = _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call)
+    precision, certified = precision_note(jac.dtypes)
+    if not certified:
+        ests = [replace(e, converged=False) for e in ests]
     w = torch.randn(m, generator=gen, dtype=torch.float64).to(jac.dtype).to(jac.device)
     w = w / w.norm()
     per = jac.transpose_all(w)
@@ -268,7 +360,9 @@ def sensitivity_norms(
     for k, v in enumerate(visits):
         if v.j not in tied and sum(w.j == v.j for w in visits) == 1:
             tied[v.j] = visit_norms[k]
-    return Sensitivity(visits, names, visit_norms, tied, UTw, float(jac.F0.norm()), method)
+    return Sensitivity(
+        visits, names, visit_norms, tied, UTw, float(jac.F0.norm()), method, jac.jvp.mode, precision
+    )
 
 
 def _operators(visits: Sequence[Visit]) -> tuple[list[list[int]], list[tuple[str, int]]]:
@@ -284,13 +378,44 @@ def _operators(visits: Sequence[Visit]) -> tuple[list[list[int]], list[tuple[str
     return ops, keys
 
 
+def default_tol(dtype: torch.dtype) -> float:
+    """Stopping tolerance on the relative change: 1e-10 in float64, 1e-5 in float32; half
+    precision gets 1e-3, and its estimates are never reported converged (see ``precision``)."""
+    return 1e-10 if dtype == torch.float64 else 1e-5 if not is_half(dtype) else 1e-3
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _names(dtypes: set[torch.dtype]) -> str:
+    return ", ".join(sorted(_name(d) for d in dtypes)) or "none"
+
+
+def precision_note(dtypes: set[torch.dtype]) -> tuple[str, bool]:
+    """What the path computes in, and whether estimates can be certified in it."""
+    low = lowest_precision(dtypes)
+    text = _names(dtypes)
+    if len(dtypes) > 1:
+        text += f" (mixed: tolerances from {_name(low)})"
+    if is_half(low):
+        eps = torch.finfo(low).eps
+        return (
+            f"{text}; {_name(low)} roundoff (eps {eps:.1g}) is the precision floor: estimates "
+            "are not certified; cast the model to float32 or float64 to certify them",
+            False,
+        )
+    return text, True
+
+
 def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call) -> list[Estimate]:
     n_of = [jac.n[ks[0]] for ks in ops]
     v0 = torch.randn(len(ops), jac.n_max, generator=gen, dtype=torch.float64)
     v0 = v0.to(jac.dtype).to(jac.device)
     for b, n in enumerate(n_of):
         v0[b, n:] = 0
-    adj_tol = 1e-7 if jac.dtype == torch.float64 else 1e-2
+    low = lowest_precision(jac.dtypes)
+    adj_tol = 1e-7 if low == torch.float64 else 1e-2 if not is_half(low) else 1e-1
     last: dict[str, torch.Tensor] = {}
 
     def matvec(v: torch.Tensor) -> torch.Tensor:
@@ -305,19 +430,23 @@ def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call) -> 
         uu = uu / last["v"].square().sum(1).clamp_min(1e-300)
         scale = torch.maximum(last.get("scale", uu), uu)
         last["scale"] = scale
-        bad = (wv - uu).abs() > adj_tol * scale + 1e-300
+        gap = (wv - uu).abs() / scale.clamp_min(1e-300)
+        bad = gap > adj_tol
         if bool(bad.any()):
             b = int(bad.nonzero()[0])
             raise RuntimeError(
-                f"{call}: the JVP and VJP of operator {b} disagree "
-                f"(<U^T U v, v> = {float(wv[b]):.6g} but ||U v||^2 = {float(uu[b]):.6g}): "
-                "forward-mode tangents pass where the backward graph does not (a no_grad "
-                "region or .data use after a visit), or the model's randomness is not "
-                "controlled by torch's RNG; exclude that visit or make the forward deterministic"
+                f"{call}: the JVP and VJP of operator {b} disagree: <U^T U v, v> = "
+                f"{float(wv[b]):.10g} but ||U v||^2 = {float(uu[b]):.10g}, a relative gap of "
+                f"{float(gap[b]):.2g} > {adj_tol:g} (the tolerance for {_name(low)}, the "
+                f"lowest precision computed in: {_names(jac.dtypes)}). Causes: forward-mode "
+                "tangents pass where the backward graph does not (a no_grad region or .data "
+                "use after a visit), randomness that torch's RNG does not control, or "
+                "roundoff of a dtype the model casts to internally; exclude that visit or make "
+                "the forward deterministic"
             )
         return w
 
     if tol is None:
-        tol = 1e-10 if jac.dtype == torch.float64 else 1e-5
+        tol = default_tol(low)
     solver = operator_norm if method == "power" else operator_norm_krylov
     return solver(matvec, rmatvec, v0, max_iter=max_iter, tol=tol)

@@ -45,6 +45,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from loopprobe.autodiff import in_backward, transform_safe
+
 if TYPE_CHECKING:
     from loopprobe.alignment import AlignmentReport, BoundCheck
     from loopprobe.sensitivity import Sensitivity
@@ -369,7 +371,9 @@ class Probe:
         parameters for this call only (as ``torch.func.functional_call`` does) and gets its
         own parameters back when the call returns or raises. ``leave(visit, args, kwargs,
         output)`` sees the output. Yields a :class:`Trace` filled in as the forward runs.
-        Model state (parameters, buffers, train/eval mode) is restored on exit.
+        Model state (parameters, buffers, train/eval mode) is restored on exit. Inside the
+        block, fused attention and activation checkpointing are made transform-safe
+        (:func:`loopprobe.autodiff.transform_safe`): same values, every visit counted once.
         """
         groups = self._ensure_groups(None, None, call)
         trace = Trace([], [])
@@ -380,6 +384,14 @@ class Probe:
 
         def pre_hook(j: int, g: _Group, slot: int) -> Callable:
             def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                if in_backward():
+                    raise RuntimeError(
+                        f"{call}: module {g.sublayer.modules[slot]!r} was called during a "
+                        "backward pass: activation checkpointing other than "
+                        "torch.utils.checkpoint recomputes it, and a recomputed call cannot be "
+                        "told from a new visit. Turn that checkpointing off while probing "
+                        "(e.g. model.gradient_checkpointing_disable())"
+                    )
                 v = Visit(
                     i=len(trace.visits),
                     j=j,
@@ -424,7 +436,7 @@ class Probe:
             self._owners = [
                 [(o, names.get(id(o), "?")) for o in g.owners(self.model)] for g in groups
             ]
-        with _restored(self.model):
+        with _restored(self.model), transform_safe():
             try:
                 for j, g in enumerate(groups):
                     for slot, m in enumerate(g.modules):

@@ -1,0 +1,273 @@
+"""What loopprobe's own ``torch.func`` transforms need from a model nobody wrote for them.
+
+Three gaps between real models and ``torch.func`` are closed here, for the duration of
+loopprobe's probes only (the user's settings are untouched outside them):
+
+- **Fused attention.** ``F.scaled_dot_product_attention`` dispatches on CPU (and CUDA) to
+  fused kernels that have no forward-AD rule (nor a double backward). Inside
+  :func:`transform_safe` torch's own math kernel computes attention (``sdpa_kernel``), which
+  every transform supports, and a ``TorchFunctionMode`` lays the output of each direct
+  call out in memory exactly as the kernel the user's settings would have chosen does (the
+  fused CPU kernel follows the query's layout, the math one is contiguous), so user code
+  that ``.view``-s the result keeps working. The layout is measured once per argument
+  signature on plain tensors, not assumed. Values agree with the fused kernel to roundoff.
+- **Activation checkpointing.** ``torch.func`` supports neither checkpoint variant (saved
+  tensor hooks; an ``autograd.Function`` without ``setup_context``), and a recompute in
+  backward would re-fire the visit hooks as if it were a new visit. Inside
+  :func:`transform_safe`, ``torch.utils.checkpoint.checkpoint`` (also when the user holds
+  it as ``functools.partial``, as Hugging Face does) runs its function inline: the same
+  values, no recompute, so every visit is counted once and gets its own offset. The
+  reentrant variant keeps its gradient semantics: a segment none of whose tensor inputs
+  requires grad passes no gradient, as in training. Memory is that of the model without
+  checkpointing while loopprobe probes it.
+- **Ops with no forward-mode rule at all.** :func:`jvp` computes ``J v`` with forward AD,
+  and when torch reports that an op lacks a forward-AD formula it computes the same
+  product from reverse mode instead: ``J v`` is the VJP of the linear map ``u -> J^T u``
+  (a VJP of a VJP), and says so in its ``mode``.
+
+It also measures which floating dtypes a forward computes in (:func:`dtypes_on_path`), so
+that tolerances follow the lowest precision on the path, not the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_SDPA = F.scaled_dot_product_attention
+
+
+def _plain_like(t: Any) -> Any:
+    """A plain zero tensor with ``t``'s shape, strides, dtype and device (else ``t``)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
+
+
+def _key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.stride(), x.dtype, x.device.type)
+    return x
+
+
+class _AttentionLayout(TorchFunctionMode):
+    """Give direct ``scaled_dot_product_attention`` calls the memory layout of the kernel
+    the user's settings would have chosen, while the math kernel computes them."""
+
+    def __init__(self, user_backends: list[SDPBackend]) -> None:
+        super().__init__()
+        self.user = user_backends
+        self._strides: dict[Any, tuple[int, ...]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is not _SDPA or not isinstance(out, torch.Tensor):
+            return out
+        key = (tuple(_key(a) for a in args), tuple((k, _key(v)) for k, v in kwargs.items()))
+        if key not in self._strides:
+            with torch.no_grad(), sdpa_kernel(self.user):
+                plain = func(
+                    *[_plain_like(a) for a in args],
+                    **{k: _plain_like(v) for k, v in kwargs.items()},
+                )
+            self._strides[key] = plain.stride()
+        return _relayout(out, self._strides[key])
+
+
+def _relayout(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``t`` with the memory order of ``strides`` (a dense permutation layout)."""
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], -d))
+    if order == list(range(t.dim())):
+        return t.contiguous()
+    inverse = sorted(range(t.dim()), key=lambda d: order[d])
+    return t.permute(order).contiguous().permute(inverse)
+
+
+class _InlineCheckpoint:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` (the reentrant variant)."""
+
+    @staticmethod
+    def apply(function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
+        # Plain autograd (G, gradient visibility): a reentrant segment passes no gradient
+        # unless a tensor input requires one, as in training. Under torch.func transforms
+        # requires_grad means something else; the visits that training cannot reach were
+        # already measured as gradient-invisible and carry no offset there.
+        traced = torch._C._functorch.maybe_current_level() is not None
+        if traced or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function(*args)
+        with torch.no_grad():
+            return function(*args)
+
+
+def _inline_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+    """Stands in for the non-reentrant variant's set-up/tear-down generator: no hooks."""
+    yield
+
+
+@contextmanager
+def _inline_checkpoint() -> Iterator[None]:
+    import torch.utils.checkpoint as ckpt
+
+    names = {"CheckpointFunction": _InlineCheckpoint}
+    names["_checkpoint_without_reentrant_generator"] = _inline_generator
+    saved = {n: getattr(ckpt, n) for n in names if hasattr(ckpt, n)}
+    try:
+        for n in saved:
+            setattr(ckpt, n, names[n])
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(ckpt, n, f)
+
+
+@contextmanager
+def transform_safe() -> Iterator[None]:
+    """Attention on torch's math kernel (laid out as the user's kernel would); checkpointed
+    segments inline. Both are process-wide settings, restored on exit."""
+    user = _cur_sdpa_kernel_backends()
+    with sdpa_kernel(SDPBackend.MATH), _AttentionLayout(user), _inline_checkpoint():
+        yield
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (e.g. a checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# --------------------------------------------------------------------------- JVP fallback
+
+_NO_FORWARD_AD = re.compile(r"Trying to use forward AD with (\S+) that does not support it")
+
+
+def forward_ad_missing(error: BaseException) -> str | None:
+    """The op named by torch's "no forward-AD formula" error, else ``None``."""
+    m = _NO_FORWARD_AD.search(str(error))
+    return m.group(1) if m else None
+
+
+def jvp_by_reverse(f: Callable, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    """``(f(primals), J tangents)`` from reverse mode: the VJP of ``u -> J^T u``."""
+    out, vjp_fn = torch.func.vjp(f, *primals)
+    _, vjp_of_vjp = torch.func.vjp(vjp_fn, torch.zeros_like(out))
+    return out, vjp_of_vjp(tuple(tangents))[0]
+
+
+class JVP:
+    """``torch.func.jvp`` that switches to :func:`jvp_by_reverse` once an op has no
+    forward-AD rule, and remembers why in ``mode`` (results report it).
+
+    ``model``: where to look for the module that runs an op neither mode can differentiate,
+    so the error names it.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, call: str = "jvp") -> None:
+        self.mode = "forward mode"
+        self.reverse = False
+        self.model, self.call = model, call
+
+    def __call__(self, f: Callable, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+        if not self.reverse:
+            try:
+                return torch.func.jvp(f, primals, tangents)
+            except (NotImplementedError, RuntimeError) as e:
+                op = forward_ad_missing(e)
+                if op is None:
+                    raise
+                self.reverse = True
+                self.mode = f"reverse mode (a VJP of a VJP): {op} has no forward-AD rule"
+        try:
+            return jvp_by_reverse(f, primals, tangents)
+        except (NotImplementedError, RuntimeError) as e:
+            if not self.reverse or "derivative for" not in str(e):
+                raise
+            op = self.mode.split(": ")[1].split()[0]
+            where = module_running(self.model, lambda: f(*primals), op) if self.model else None
+            raise RuntimeError(
+                f"{self.call}: {op}{f' (in module {where!r})' if where else ''} has neither a "
+                "forward-AD rule nor a double backward, so no Jacobian-vector product can pass "
+                "through it. Exclude the sublayers whose sensitivity needs it, or swap that op "
+                f"for a differentiable equivalent while probing (torch: {e})"
+            ) from None
+
+
+def module_running(model: torch.nn.Module, fn: Callable[[], Any], op: str) -> str | None:
+    """The innermost module of ``model`` that runs the aten op ``op`` during ``fn()``."""
+    names = {id(m): n for n, m in model.named_modules()}
+    stack: list[str] = []
+    found: list[str] = []
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        if id(module) in names:
+            stack.append(names[id(module)])
+
+    def post(module: torch.nn.Module, args: Any, out: Any) -> None:
+        if id(module) in names and stack:
+            stack.pop()
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if not found and func.__name__.split(".")[0] == op:
+                found.append(stack[-1] if stack else "")
+            return func(*args, **(kwargs or {}))
+
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
+    try:
+        with torch.no_grad(), Spy():
+            fn()
+    except Exception:  # noqa: BLE001 - only a diagnostic; the caller raises the real error
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+# --------------------------------------------------------------------------- precision
+
+
+class _Dtypes(TorchDispatchMode):
+    """Collects the floating dtypes of every tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.seen.add(t.dtype)
+        return out
+
+
+def dtypes_on_path(fn: Callable[[], Any]) -> set[torch.dtype]:
+    """The floating dtypes computed in while ``fn()`` runs (one call, no autograd graph)."""
+    mode = _Dtypes()
+    with torch.no_grad(), mode:
+        fn()
+    return mode.seen
+
+
+def lowest_precision(dtypes: set[torch.dtype] | list[torch.dtype]) -> torch.dtype:
+    """The dtype with the largest machine epsilon (float64 when ``dtypes`` is empty)."""
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float64)
+
+
+def is_half(dtype: torch.dtype) -> bool:
+    """bfloat16 and float16: too coarse to certify an estimate to a useful tolerance."""
+    return torch.finfo(dtype).eps > 1e-4
