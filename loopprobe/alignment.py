@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.func import jvp
 
+from loopprobe.autodiff import transform_safe
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.updates import LossFn, Updates, per_visit_updates
 from loopprobe.visits import (
@@ -264,6 +265,7 @@ class BoundCheck:
         return pd.DataFrame([self.to_dict()])
 
 
+@transform_safe()
 def bound_check(
     probe: Probe,
     inputs: Any,

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigs
 
+from loopprobe.autodiff import transform_safe
 from loopprobe.implicit import InputDependence, input_dependence  # noqa: F401 - re-export
 from loopprobe.linalg import Estimate, operator_norm
 from loopprobe.roundmap import (  # noqa: F401 - re-exports keep `loopprobe.fixedpoint.X` working
@@ -84,6 +85,7 @@ class FixedPoint:
         return {k: getattr(self, k) for k in keys} | {"residual": self.residual}
 
 
+@transform_safe()
 def fixed_point(
     step: Step,
     h0: torch.Tensor,
@@ -298,6 +300,7 @@ class SpectralRadius:
         }
 
 
+@transform_safe()
 def spectral_radius(
     step: Step,
     h: torch.Tensor,
@@ -416,6 +419,7 @@ def _arnoldi(mv, v0: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
     return vals, V[:, :m] @ y
 
 
+@transform_safe()
 def jacobian_norm(
     step: Step,
     h: torch.Tensor,

@@ -17,6 +17,7 @@ import pandas as pd
 import torch
 from scipy.sparse.linalg import LinearOperator, gmres
 
+from loopprobe.autodiff import transform_safe
 from loopprobe.linalg import Estimate, operator_norm
 from loopprobe.roundmap import (
     Step,
@@ -82,6 +83,7 @@ class InputDependence:
         }
 
 
+@transform_safe()
 def input_dependence(
     step: Step,
     h_star: torch.Tensor,
