@@ -69,6 +69,9 @@ class AlignmentReport:
     ``gram_G[name]``/``cos_G[name]``: visit Gram and cosine matrices of ``G_{.,j}``;
     ``gram_UTw``/``cos_UTw``: the same for ``U_{.,j}^T w``. ``M``/``M_g``: forward- and
     gradient-visible visits (measured). ``update`` says which effective update G is.
+    ``converged`` is True only when every U estimate converged and every kappa_j is a
+    number in ``[0, R_j]``; ``reason`` says what is not (a sublayer's ``kappa_ok`` column
+    marks its own kappa_j).
     """
 
     kappa: float
@@ -86,6 +89,8 @@ class AlignmentReport:
     kappa_bar: float = float("nan")
     updates: Updates | None = field(default=None, repr=False)
     sensitivity: Sensitivity | None = field(default=None, repr=False)
+    converged: bool = True
+    reason: str = ""
 
     def to_frame(self) -> pd.DataFrame:
         """One row per visit with its sublayer's kappa_j, R_j and tied norms joined on."""
@@ -101,7 +106,7 @@ def visit_alignment(
     forward: Forward | None = None,
     output: Output | None = None,
     update: str | torch.optim.Optimizer = "sgd",
-    method: str = "power",
+    method: str = "auto",
     max_iter: int = 100,
     tol: float | None = None,
     generator: torch.Generator | None = None,
@@ -200,7 +205,10 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
     finite = [k for k in kappas if not math.isnan(k)]
     sub = pd.DataFrame(srows)
     M_g = int(visits.grad_visible.sum())
-    weighted = (sub.R_g * sub.kappa).sum(skipna=True)
+    sub["kappa_ok"], problems = _kappa_checks(sub)
+    counted = sub.kappa.notna() & (sub.R_g > 0)
+    weighted = (sub.R_g * sub.kappa)[counted].sum()
+    reasons = [sens.reason] if not sens.converged else []
     return AlignmentReport(
         kappa=max(finite) if finite else float("nan"),
         sublayers=sub,
@@ -214,10 +222,37 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
         update=ups.method,
         F_norm=sens.F_norm,
         loss=ups.loss,
-        kappa_bar=float(weighted / M_g) if M_g else float("nan"),
+        kappa_bar=float(weighted / sub.R_g[counted].sum()) if counted.any() else float("nan"),
         updates=ups,
         sensitivity=sens,
+        converged=not (reasons or problems),
+        reason="; ".join(reasons + problems),
     )
+
+
+def _kappa_checks(sub: pd.DataFrame) -> tuple[list[bool], list[str]]:
+    """Which kappa_j can be shown as numbers, and why the others cannot.
+
+    ``0 <= kappa_j <= R_j`` holds for exact norms (triangle inequality); a value above R_j
+    means the max-norms in its denominator were underestimated (unconverged U). A NaN
+    kappa_j (a zero max norm: a sublayer the loss does not reach) is named, not dropped.
+    """
+    ok, problems = [], []
+    for row in sub.itertuples():
+        if row.R_g == 0:
+            ok.append(True)  # no gradient-visible visit: not part of kappa_R by definition
+        elif math.isnan(row.kappa):
+            ok.append(False)
+            problems.append(f"kappa of {row.sublayer} is NaN (a zero max norm of U or G)")
+        elif not 0 <= row.kappa <= row.R_g * (1 + 1e-9):
+            ok.append(False)
+            problems.append(
+                f"kappa of {row.sublayer} = {row.kappa:.4g} lies outside [0, R_j = {row.R_g}]: "
+                "its max-norms are underestimated (U not converged); not a measurement"
+            )
+        else:
+            ok.append(True)
+    return ok, problems
 
 
 def _cosine(gram: torch.Tensor) -> torch.Tensor:
@@ -237,7 +272,15 @@ def _adjacent(cos: torch.Tensor) -> float:
 
 @dataclass
 class BoundCheck:
-    """Measured ``||Delta F|| / ||F||`` after one step vs ``M_g kappa_R (beta/alpha)^2``."""
+    """Measured ``||Delta F|| / ||F||`` after one step vs ``M_g kappa_R (beta/alpha)^2``.
+
+    ``converged``/``reason`` carry the alignment report's (kappa_R from unconverged norms is
+    not a prediction) and flag a true change ``dF_true`` whose relative roundoff
+    ``dF_roundoff`` (about eps(F) / dF_true: a difference of two nearly equal outputs)
+    exceeds 1e-3; ``dF_first`` (one JVP) has no such cancellation. ``prediction_M`` uses
+    all forward visits M instead of M_g (they differ for truncated models, whose
+    forward-only visits also read the update; C is defined with M_g).
+    """
 
     kappa: float
     M: int
@@ -255,6 +298,10 @@ class BoundCheck:
     C_first: float
     kappa_bar: float = float("nan")
     prediction_sum: float = float("nan")
+    prediction_M: float = float("nan")
+    dF_roundoff: float = float("nan")
+    converged: bool = True
+    reason: str = ""
     report: AlignmentReport | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
@@ -333,6 +380,14 @@ def bound_check(
     dF_first = float(dF.norm()) / F_norm
     dF_true = float((F1 - F0).norm()) / F_norm
     prediction = report.M_g * report.kappa * (beta / alpha) ** 2
+    roundoff = torch.finfo(F0.dtype).eps / dF_true if dF_true > 0 else float("inf")
+    reasons = [report.reason] if not report.converged else []
+    if roundoff > 1e-3:
+        reasons.append(
+            f"the true change dF/F = {dF_true:.3g} is a difference of two outputs in "
+            f"{str(F0.dtype).removeprefix('torch.')} with relative roundoff ~{roundoff:.1g}; "
+            "read dF_first (first order) or probe the model in float64"
+        )
     return BoundCheck(
         kappa=report.kappa,
         M=report.M,
@@ -350,6 +405,10 @@ def bound_check(
         C_first=dF_first / prediction,
         kappa_bar=report.kappa_bar,
         prediction_sum=report.M_g * report.kappa_bar * (beta / alpha) ** 2,
+        prediction_M=report.M * report.kappa * (beta / alpha) ** 2,
+        dF_roundoff=roundoff,
+        converged=not reasons,
+        reason="; ".join(reasons),
         report=report,
     )
 
@@ -398,8 +457,20 @@ class BoundSweep:
     slope_prediction: float
     C_ratio: float
 
+    @property
+    def converged(self) -> bool:
+        """Every row's check converged (see :class:`BoundCheck`)."""
+        return bool(self.frame["converged"].all())
+
+    @property
+    def reason(self) -> str:
+        bad = self.frame[~self.frame["converged"]]
+        return "; ".join(f"R={r.R}: {r.reason}" for r in bad.itertuples())
+
     def to_frame(self) -> pd.DataFrame:
-        return self.frame
+        df = self.frame.copy()
+        df.attrs.update(converged=self.converged, reason=self.reason)
+        return df
 
 
 def bound_sweep(

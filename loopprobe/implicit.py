@@ -98,6 +98,7 @@ def input_dependence(
     solve_max_iter: int = 1000,
     implicit: bool = True,
     generator: torch.Generator | None = None,
+    fixed_point_tol: float = 1e-6,
 ) -> InputDependence:
     """``||dh*/dx||`` by implicit differentiation, next to the unrolled ``||dh_R/dx||``.
 
@@ -112,8 +113,10 @@ def input_dependence(
     ``dh*/dx = 0`` whatever the unrolled rounds do. A GMRES solve that misses ``tol``
     within ``solve_max_iter`` JVPs (VJPs), or NaN/inf, makes the implicit value NaN with
     ``converged=False`` and the reason (the unrolled one is still computed);
-    ``implicit=False`` skips it (e.g. where no fixed point was reached).
-    Reference: DESIGN.md §4 (input-dependence).
+    ``implicit=False`` skips it (e.g. where no fixed point was reached). ``h_star`` must be
+    a fixed point: a residual ``||T(h) - h|| / ||h||`` above ``fixed_point_tol`` makes the
+    result ``converged=False`` with the residual in ``reason`` (the implicit formula
+    describes no point then). Reference: DESIGN.md §4 (input-dependence).
     """
     call = "input_dependence"
     if not callable(step):
@@ -126,6 +129,7 @@ def input_dependence(
     gen = torch.Generator().manual_seed(0) if generator is None else generator
     Th, jvp_h = _linearize(lambda h: step(h, x), h_star)
     _check_same(call, h_star, Th)
+    residual = float((Th - h_star).norm() / h_star.norm().clamp_min(1e-300))
     _, jvp_x = _linearize(lambda u: step(h_star, u), x)
     _, vjp_hx = torch.func.vjp(step, h_star, x)
     calls, stats = [0], {"solves": 0, "failures": 0}
@@ -165,6 +169,11 @@ def input_dependence(
 
     v0 = torch.randn(1, x.numel(), generator=gen, dtype=torch.float64).to(x)
     reasons = []
+    if not residual <= fixed_point_tol:
+        reasons.append(
+            f"h is not a fixed point: ||T(h) - h|| / ||h|| = {residual:.3g} > fixed_point_tol "
+            f"{fixed_point_tol:g} (run fixed_point first and pass its state)"
+        )
     try:
         if not implicit:
             raise _SolveFailed("not computed (implicit=False)")
@@ -188,7 +197,7 @@ def input_dependence(
             reasons.append(f"{name} norm: power iteration stopped at rel. change "
                            f"{est.rel_change:.3g} > norm_tol {norm_tol:g}")  # fmt: skip
     converged = not reasons
-    reason = "; ".join(reasons) or "all solves and norm iterations converged"
+    reason = "; ".join(reasons)
     gap = math.nan if unrolled is None else _gap(implicit_norm.value, unrolled.value)
     frame = _dir_frame(dirs, dir_implicit, dir_unrolled)
     empty = h_star.new_zeros((0, *h_star.shape))

@@ -1,0 +1,112 @@
+"""Every result says whether it can be trusted: ``converged`` and ``reason`` at the top level."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from thirdparty_models import ForLoopModel, make, randn
+from torch import nn
+
+import loopprobe as lp
+from loopprobe.alignment import _kappa_checks, bound_check, visit_alignment
+from loopprobe.implicit import input_dependence
+from loopprobe.sensitivity import choose_method
+
+
+def reference(norm: str = "deeploop", dtype=torch.float64):
+    cfg = lp.models.GPTConfig(K=2, R=4, norm=norm, d_model=16, n_heads=2, seq_len=16)
+    model = lp.models.LoopedGPT(cfg).to(dtype)
+    idx, tg = lp.tasks.random_tokens(4, 16, 64, generator=torch.Generator().manual_seed(0))
+    return model, idx, lambda out, inp: F.cross_entropy(out.flatten(0, 1), tg.flatten())
+
+
+def test_the_default_method_converges_on_the_reference_model_well_inside_its_budget():
+    model, idx, loss = reference()
+    rep = visit_alignment(lp.attach(model), idx, loss)
+    assert rep.converged, rep.reason
+    assert rep.sensitivity.method == "lanczos"
+    assert rep.visits.iterations.max() < 50  # of max_iter=100
+    assert 0 < rep.kappa <= 8
+
+
+def test_lanczos_is_chosen_only_while_its_basis_fits_in_memory():
+    assert choose_method(20, 10_000, 100, torch.float64) == "lanczos"
+    assert choose_method(20, 10_000_000, 100, torch.float64) == "power"
+
+
+def test_a_kappa_above_R_or_nan_is_flagged_not_printed_as_a_measurement():
+    sub = pd.DataFrame(
+        {
+            "sublayer": ["a", "b", "c", "d"],
+            "R_g": [3, 3, 3, 0],
+            "kappa": [2.5, 3.2, float("nan"), float("nan")],
+        }
+    )
+    ok, problems = _kappa_checks(sub)
+    assert ok == [True, False, False, True]
+    assert "outside [0, R_j = 3]" in problems[0] and "b" in problems[0]
+    assert "kappa of c is NaN" in problems[1]
+
+
+class TwoBranches(nn.Module):
+    """Sublayer ``a`` feeds the output F; sublayer ``b`` feeds only the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ha, hb = x, x
+        for _ in range(3):
+            ha, hb = ha + torch.tanh(self.a(ha)), hb + torch.tanh(self.b(hb))
+        return ha, hb
+
+
+def test_a_nan_kappa_is_named_and_kappa_bar_divides_by_the_visits_it_counts():
+    model = make(TwoBranches)
+    x = randn(5, 4)
+    rep = visit_alignment(
+        lp.attach(model),
+        x,
+        lambda out, inp: out[0].square().sum() + out[1].square().sum(),
+        output=lambda out: out[0],
+    )
+    by = rep.sublayers.set_index("sublayer")
+    assert by.loc["a", "kappa_ok"] and not by.loc["b", "kappa_ok"]
+    assert not rep.converged and "kappa of b is NaN" in rep.reason
+    assert rep.kappa_bar == pytest.approx(by.loc["a", "kappa"], rel=1e-12)  # not halved
+
+
+def test_input_dependence_at_a_point_that_is_not_fixed_says_so():
+    step = lambda h, x: 0.5 * h + x  # noqa: E731 - fixed point h* = 2x
+    x = randn(6)
+    good = input_dependence(step, 2 * x, x)
+    assert good.converged and good.reason == ""
+    assert good.value == pytest.approx(2.0, rel=1e-8)  # (I - 0.5 I)^-1
+    bad = input_dependence(step, x, x)
+    assert not bad.converged and "not a fixed point" in bad.reason
+
+
+def test_a_float32_true_change_below_roundoff_is_flagged_with_its_roundoff():
+    model = make(ForLoopModel, K=1, R=3).float()
+    x = randn(3, 5).float()
+    loss = lambda out, inp: out.square().mean()  # noqa: E731
+    chk = bound_check(lp.attach(model), x, loss, lr=1e-6, alpha=1.0, beta=1.0)
+    assert chk.dF_roundoff > 1e-3
+    assert not chk.converged and "roundoff" in chk.reason
+    ok = bound_check(lp.attach(model.double()), x.double(), loss, lr=1e-6, alpha=1.0, beta=1.0)
+    assert ok.dF_roundoff < 1e-3 and "roundoff" not in ok.reason
+
+
+def test_bound_check_reports_both_visit_counts_for_a_truncated_model():
+    cfg = lp.models.GPTConfig(K=1, R=4, norm="deeploop", d_model=16, n_heads=2, grad_rounds=2)
+    model = lp.models.LoopedGPT(cfg).double()
+    idx, tg = lp.tasks.random_tokens(2, 8, 64, generator=torch.Generator().manual_seed(0))
+    chk = bound_check(
+        lp.attach(model), idx, lambda o, i: F.cross_entropy(o.flatten(0, 1), tg.flatten())
+    )
+    assert (chk.M, chk.M_g) == (8, 4)
+    assert chk.prediction_M == pytest.approx(2 * chk.prediction, rel=1e-12)
+    assert "converged" in chk.to_dict() and "reason" in chk.to_dict()
