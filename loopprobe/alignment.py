@@ -83,6 +83,7 @@ class AlignmentReport:
     F_norm: float
     loss: float
     kappa_bar: float = float("nan")
+    kappa_note: str = ""
     updates: Updates | None = field(default=None, repr=False)
     sensitivity: Sensitivity | None = field(default=None, repr=False)
 
@@ -139,10 +140,10 @@ def visit_alignment(
         seed=seed,
         chunk_size=chunk_size,
     )
-    return _report(ups, sens)
+    return _report(ups, sens, {s.name: s.role for s in probe.sublayers()})
 
 
-def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
+def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> AlignmentReport:
     U_of = {v.i: est for v, est in zip(sens.visits, sens.visit_norms, strict=True)}
     vrows, srows = [], []
     gram_G, cos_G, gram_UTw, cos_UTw = {}, {}, {}, {}
@@ -169,7 +170,8 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
     for j, name in enumerate(ups.sublayers):
         mine = visits[(visits.j == j) & visits.grad_visible]
         R = int((visits.j == j).sum())
-        row: dict[str, Any] = {"sublayer": name, "j": j, "R": R, "R_g": len(mine)}
+        role = (roles or {}).get(name, "body")
+        row: dict[str, Any] = {"sublayer": name, "j": j, "role": role, "R": R, "R_g": len(mine)}
         if len(mine) and j in sens.tied_norms:
             tied_U = sens.tied_norms[j]
             G_tied = float(ups.tied(j).norm())  # invisible visits contribute zero
@@ -180,7 +182,7 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
             if j in sens.UTw:
                 g2 = sens.UTw[j] @ sens.UTw[j].T
                 gram_UTw[name], cos_UTw[name] = g2, _cosine(g2)
-            kappas.append(kappa)
+            kappas.append((role, kappa))
             row.update(
                 kappa=kappa,
                 U_tied=tied_U.value,
@@ -196,7 +198,13 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
         else:
             row.update(kappa=float("nan"), U_tied=float("nan"), G_tied=float("nan"))
         srows.append(row)
-    finite = [k for k in kappas if not math.isnan(k)]
+    # kappa_R: max over the loop body only; reuse that is not recurrence is listed, not used.
+    finite = [k for r, k in kappas if not math.isnan(k) and r == "body"]
+    out = [n for n in ups.sublayers if (roles or {}).get(n, "body") != "body"]
+    note = f"kappa_R is over role='body' sublayers; excluded: {out}" if out else ""
+    if not finite and out:
+        finite = [k for _, k in kappas if not math.isnan(k)]
+        note = f"no body sublayer: kappa_R is over every sublayer, including {out}"
     sub = pd.DataFrame(srows)
     M_g = int(visits.grad_visible.sum())
     weighted = (sub.R_g * sub.kappa).sum(skipna=True)
@@ -214,6 +222,7 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
         F_norm=sens.F_norm,
         loss=ups.loss,
         kappa_bar=float(weighted / M_g) if M_g else float("nan"),
+        kappa_note=note,
         updates=ups,
         sensitivity=sens,
     )

@@ -46,10 +46,11 @@ inside it (its parameters include that group's): the pass is reused, the loop is
 
 Non-body sublayers are listed and measured like any other; ``kappa_R`` leaves them out.
 
-**Nesting** (:func:`nesting`, on the measured visit order): body sublayer a is nested in
+**Nesting** (:func:`nesting`, on the measured visit order): body sublayer a runs inside
 body sublayer b when, in the visit sequence restricted to a and b, a always runs at least
 twice in a row and b never does (HRM: L L H L L H, so L is nested in H with 2 steps per
-H visit; siblings of one loop alternate: L0 L1 L0 L1). The innermost enclosing one wins.
+H visit; siblings of one loop alternate: L0 L1 L0 L1). Of the sublayers a runs inside,
+those visited most often form the innermost enclosing loop, which is reported.
 
 **Partial ties** (:func:`partial_ties`): two modules of one class whose own parameters
 are partly the same objects (``q.weight`` tied, ``q.bias`` not) are how silently broken
@@ -316,32 +317,34 @@ def _is_norm(cls: type) -> bool:
     return issubclass(cls, norms) or "Norm" in cls.__name__
 
 
-def nesting(seq: Sequence[int], body: Sequence[int]) -> dict[int, tuple[int, float]]:
-    """``{a: (b, steps)}``: body sublayer a is nested in body sublayer b, ``steps`` visits
-    of a per visit of b (see module docstring). ``seq``: sublayer index of each visit."""
+def nesting(seq: Sequence[int], body: Sequence[int]) -> dict[int, tuple[list[int], float]]:
+    """``{a: (loop, steps)}``: body sublayer a runs nested in the loop made of the body
+    sublayers ``loop``, ``steps`` visits of a per visit of them (see module docstring).
+    ``seq``: the sublayer index of each visit, in execution order."""
     counts = {j: seq.count(j) for j in set(seq)}
-    out: dict[int, tuple[int, float]] = {}
+    out: dict[int, tuple[list[int], float]] = {}
     for a in body:
-        enclosing = []
-        for b in body:
-            if a == b or not counts.get(a) or not counts.get(b):
-                continue
-            runs: dict[int, list[int]] = {a: [], b: []}
-            last = None
-            for j in seq:
-                if j not in runs:
-                    continue
-                if j == last:
-                    runs[j][-1] += 1
-                else:
-                    runs[j].append(1)
-                last = j
-            if min(runs[a]) >= 2 and max(runs[b]) == 1:
-                enclosing.append(b)
+        enclosing = [b for b in body if b != a and counts.get(a) and counts.get(b)]
+        enclosing = [b for b in enclosing if _runs_inside(seq, a, b)]
         if enclosing:
-            b = max(enclosing, key=lambda b: counts[b])
-            out[a] = (b, counts[a] / counts[b])
+            inner = max(counts[b] for b in enclosing)  # the innermost loop visits most
+            loop = [b for b in enclosing if counts[b] == inner]
+            out[a] = (loop, counts[a] / inner)
     return out
+
+
+def _runs_inside(seq: Sequence[int], a: int, b: int) -> bool:
+    """In ``seq`` restricted to a and b, a always runs at least twice, b only once."""
+    runs: dict[int, list[int]] = {a: [], b: []}
+    last = None
+    for j in seq:
+        if j in runs:
+            if j == last:
+                runs[j][-1] += 1
+            else:
+                runs[j].append(1)
+            last = j
+    return min(runs[a]) >= 2 and max(runs[b]) == 1
 
 
 def partial_ties(model: nn.Module) -> list[tuple[str, str, list[str], list[str]]]:

@@ -476,9 +476,10 @@ class Probe:
     ) -> pd.DataFrame:
         """One row per physical sublayer: role, nesting, parameters, visits R_j, visible visits.
 
-        ``role``: see :class:`Sublayer`. ``nested_in``: the body sublayer whose loop this
-        one's visits run inside (HRM: the L module in the H cycle), ``steps_per_outer``
-        visits per visit of it; empty when not nested (see :func:`loopprobe.discover.nesting`).
+        ``role``: see :class:`Sublayer`. ``nested_in``: the body sublayers (comma-joined)
+        of the loop this one's visits run inside (HRM: the L blocks run inside the H
+        cycle), ``steps_per_outer`` visits per visit of it; empty when not nested (see
+        :func:`loopprobe.discover.nesting`).
 
         ``df.attrs`` holds the totals ``M`` (forward-visible visits) and ``M_g``
         (gradient-visible visits), both measured, and ``M_formula``/``M_g_formula`` from
@@ -491,13 +492,13 @@ class Probe:
         rows = []
         for s in subs:
             mine = [v for v in visits if v.j == s.index]
-            outer, steps = nested.get(s.index, (None, float("nan")))
+            loop, steps = nested.get(s.index, ([], float("nan")))
             rows.append(
                 {
                     "sublayer": s.name,
                     "j": s.index,
                     "role": s.role,
-                    "nested_in": subs[outer].name if outer is not None else "",
+                    "nested_in": ",".join(subs[b].name for b in loop),
                     "steps_per_outer": steps,
                     "modules": ",".join(s.modules),
                     "parameters": s.numel,
