@@ -263,6 +263,30 @@ def test_a_group_chains_when_half_of_its_consecutive_visits_read_the_previous_on
     assert [f.role for f in find_sublayers(calls)] == ["body"]
 
 
+class PreallocatedStates(nn.Module):
+    """Writes every step's state into a preallocated tensor and reads the next input
+    back from it (how caches and scan-style loops are often written)."""
+
+    def __init__(self, d: int = 6, R: int = 3) -> None:
+        super().__init__()
+        self.R = R
+        self.block = MLPBlock(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        states = x.new_zeros(self.R + 1, *x.shape)
+        states[0] = x
+        for r in range(self.R):
+            states[r + 1] = self.block(states[r].clone())
+        return states[-1]
+
+
+def test_a_loop_carried_through_in_place_writes_into_a_buffer_still_chains():
+    probe = lp.attach(make(PreallocatedStates))
+    table = probe.visit_table(randn(2, 6))
+    assert list(table.role) == ["body"] and list(table.visits) == [3]
+    assert probe.sublayers()[0].role_reason == "visits chain (2 of 2 consecutive pairs)"
+
+
 # --------------------------------------------------------------------------- ties, seeds
 
 
