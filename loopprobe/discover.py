@@ -121,6 +121,12 @@ class _Flow(TorchDispatchMode):
         super().__init__()
         self.tags = WeakTensorKeyDictionary()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # True (torch's default) wraps __torch_dispatch__ in a dynamo guard whose first
+        # call imports torch._dynamo: seconds, once per process, for nothing we need.
+        return False
+
     def read(self, tree: Any) -> int:
         bits = 0
         for t in pytree.tree_leaves(tree):
