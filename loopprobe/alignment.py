@@ -87,6 +87,7 @@ class AlignmentReport:
     F_norm: float
     loss: float
     kappa_bar: float = float("nan")
+    kappa_note: str = ""
     updates: Updates | None = field(default=None, repr=False)
     sensitivity: Sensitivity | None = field(default=None, repr=False)
     converged: bool = True
@@ -145,10 +146,10 @@ def visit_alignment(
         seed=seed,
         chunk_size=chunk_size,
     )
-    return _report(ups, sens)
+    return _report(ups, sens, {s.name: s.role for s in probe.sublayers()})
 
 
-def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
+def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> AlignmentReport:
     U_of = {v.i: est for v, est in zip(sens.visits, sens.visit_norms, strict=True)}
     vrows, srows = [], []
     gram_G, cos_G, gram_UTw, cos_UTw = {}, {}, {}, {}
@@ -175,7 +176,8 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
     for j, name in enumerate(ups.sublayers):
         mine = visits[(visits.j == j) & visits.grad_visible]
         R = int((visits.j == j).sum())
-        row: dict[str, Any] = {"sublayer": name, "j": j, "R": R, "R_g": len(mine)}
+        role = (roles or {}).get(name, "body")
+        row: dict[str, Any] = {"sublayer": name, "j": j, "role": role, "R": R, "R_g": len(mine)}
         if len(mine) and j in sens.tied_norms:
             tied_U = sens.tied_norms[j]
             G_tied = float(ups.tied(j).norm())  # invisible visits contribute zero
@@ -186,7 +188,7 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
             if j in sens.UTw:
                 g2 = sens.UTw[j] @ sens.UTw[j].T
                 gram_UTw[name], cos_UTw[name] = g2, _cosine(g2)
-            kappas.append(kappa)
+            kappas.append((role, kappa))
             row.update(
                 kappa=kappa,
                 U_tied=tied_U.value,
@@ -202,11 +204,19 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
         else:
             row.update(kappa=float("nan"), U_tied=float("nan"), G_tied=float("nan"))
         srows.append(row)
-    finite = [k for k in kappas if not math.isnan(k)]
+    # kappa_R: max over the loop body only; reuse that is not recurrence is listed, not used.
+    finite = [k for r, k in kappas if not math.isnan(k) and r == "body"]
+    out = [n for n in ups.sublayers if (roles or {}).get(n, "body") != "body"]
+    note = f"kappa_R is over role='body' sublayers; excluded: {out}" if out else ""
+    if not finite and out:
+        finite = [k for _, k in kappas if not math.isnan(k)]
+        note = f"no body sublayer: kappa_R is over every sublayer, including {out}"
     sub = pd.DataFrame(srows)
     M_g = int(visits.grad_visible.sum())
-    sub["kappa_ok"], problems = _kappa_checks(sub)
-    counted = sub.kappa.notna() & (sub.R_g > 0)
+    in_R = sub.role.eq("body") if sub.role.eq("body").any() else sub.role.notna()
+    sub["kappa_ok"], flagged = _kappa_checks(sub)
+    problems = [text for i, text in flagged.items() if in_R[i]]  # only what kappa_R uses
+    counted = sub.kappa.notna() & (sub.R_g > 0) & in_R
     weighted = (sub.R_g * sub.kappa)[counted].sum()
     reasons = [sens.reason] if not sens.converged else []
     return AlignmentReport(
@@ -223,6 +233,7 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
         F_norm=sens.F_norm,
         loss=ups.loss,
         kappa_bar=float(weighted / sub.R_g[counted].sum()) if counted.any() else float("nan"),
+        kappa_note=note,
         updates=ups,
         sensitivity=sens,
         converged=not (reasons or problems),
@@ -230,23 +241,23 @@ def _report(ups: Updates, sens: Sensitivity) -> AlignmentReport:
     )
 
 
-def _kappa_checks(sub: pd.DataFrame) -> tuple[list[bool], list[str]]:
+def _kappa_checks(sub: pd.DataFrame) -> tuple[list[bool], dict[int, str]]:
     """Which kappa_j can be shown as numbers, and why the others cannot.
 
     ``0 <= kappa_j <= R_j`` holds for exact norms (triangle inequality); a value above R_j
     means the max-norms in its denominator were underestimated (unconverged U). A NaN
     kappa_j (a zero max norm: a sublayer the loss does not reach) is named, not dropped.
     """
-    ok, problems = [], []
-    for row in sub.itertuples():
+    ok, problems = [], {}
+    for i, row in enumerate(sub.itertuples()):
         if row.R_g == 0:
             ok.append(True)  # no gradient-visible visit: not part of kappa_R by definition
         elif math.isnan(row.kappa):
             ok.append(False)
-            problems.append(f"kappa of {row.sublayer} is NaN (a zero max norm of U or G)")
+            problems[i] = f"kappa of {row.sublayer} is NaN (a zero max norm of U or G)"
         elif not 0 <= row.kappa <= row.R_g * (1 + 1e-9):
             ok.append(False)
-            problems.append(
+            problems[i] = (
                 f"kappa of {row.sublayer} = {row.kappa:.4g} lies outside [0, R_j = {row.R_g}]: "
                 "its max-norms are underestimated (U not converged); not a measurement"
             )

@@ -119,7 +119,7 @@ class VisitJacobian:
         call: str = "sensitivity",
     ) -> None:
         self.probe, self.inputs, self.forward, self.output = probe, inputs, forward, output
-        self.groups = probe.groups(inputs, forward)
+        self.groups = probe.groups(inputs, forward, seed=seed)
         self.visits = list(visits)
         self.pos = {v.i: k for k, v in enumerate(self.visits)}
         self.n = [self.groups[v.j].sublayer.numel for v in self.visits]

@@ -125,7 +125,7 @@ def per_visit_updates(
     _check_update(update, call)
     if memory not in ("full", "low"):
         raise ValueError(f"{call}: memory={memory!r}; choose 'full' or 'low'")
-    groups = probe.groups(inputs, forward)
+    groups = probe.groups(inputs, forward, seed=seed)
     leaves: list[tuple[Visit, list[torch.Tensor]]] = []
 
     def enter(v: Visit, module: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

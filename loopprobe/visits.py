@@ -20,12 +20,14 @@ Recording API (stable; other modules build on it)::
 ``forward(model, inputs)`` replaces the call for anything else (e.g.
 ``forward=lambda m, x: m.hidden(x)``); ``output(out)`` picks the tensor F from the result.
 
-Discovery (when neither ``sublayers=`` nor ``model.loopprobe_sublayers`` names them): every
-module that owns parameters is hooked for one forward; modules with the same parameter set
-(by identity, so ALBERT-style tying of different instances counts as one) form a group; a
-group is looped when it is called more than once and all its modules have one class (an
-embedding tied to an output head is weight tying, not a loop). The outermost looped groups
-are the sublayers. Parameter-free modules are never sublayers.
+Discovery (when neither ``sublayers=`` nor ``model.loopprobe_sublayers`` names them) is
+:mod:`loopprobe.discover`: one forward (under the caller's ``seed``) records every call of
+a module that owns parameters and which earlier calls its inputs were computed from;
+modules with the same parameter set form a group; reused groups whose visits chain (the
+output of visit r feeds visit r+1) are the loop, preferred over an outer pass that is
+merely called twice; reuse that is not recurrence is listed with a ``role`` (``head``,
+``norm``, ``embedding``, ``other``; the loop is ``body``). Named sublayers are ``body``.
+Parameter-free modules are never sublayers.
 
 Gradient-visible visits are measured: a visit whose offset gets no gradient (it ran under
 ``torch.no_grad()``, or its output was detached before F) is forward-visible only.
@@ -34,8 +36,7 @@ Reference: seed 002, Eq. 11-12 (visits), Eq. 17-18 (M and M_g).
 
 from __future__ import annotations
 
-import fnmatch
-import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,7 +46,10 @@ import pandas as pd
 import torch
 from torch import nn
 
+from loopprobe import discover
 from loopprobe.autodiff import in_backward, transform_safe
+from loopprobe.discover import is_glob as _is_glob  # noqa: F401 (old private names)
+from loopprobe.discover import match as _match
 
 if TYPE_CHECKING:
     from loopprobe.alignment import AlignmentReport, BoundCheck
@@ -58,7 +62,11 @@ Output = Callable[[Any], torch.Tensor]
 
 @dataclass(frozen=True)
 class Sublayer:
-    """One physical sublayer: a parameter group and the module instance(s) that use it."""
+    """One physical sublayer: a parameter group and the module instance(s) that use it.
+
+    ``role``: ``body`` (the loop), ``head``, ``norm``, ``embedding`` or ``other`` (reuse
+    that is not recurrence); ``role_reason`` gives the evidence (see loopprobe.discover).
+    """
 
     name: str
     index: int
@@ -66,6 +74,8 @@ class Sublayer:
     param_names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     numel: int
+    role: str = "body"
+    role_reason: str = "named by the user"
 
 
 @dataclass(frozen=True)
@@ -158,24 +168,6 @@ def copy_tree(x: Any) -> Any:
     return x
 
 
-def _match(pattern: str, name: str) -> bool:
-    """Dotted glob: ``*`` is one path segment, ``**`` any number of segments."""
-    pat, parts = pattern.split("."), name.split(".")
-
-    def rec(a: int, b: int) -> bool:
-        if a == len(pat):
-            return b == len(parts)
-        if pat[a] == "**":
-            return any(rec(a + 1, c) for c in range(b, len(parts) + 1))
-        return b < len(parts) and fnmatch.fnmatchcase(parts[b], pat[a]) and rec(a + 1, b + 1)
-
-    return rec(0, 0)
-
-
-def _is_glob(pattern: str) -> bool:
-    return bool(re.search(r"[*?\[]", pattern))
-
-
 # --------------------------------------------------------------------------- the probe
 
 
@@ -222,13 +214,20 @@ class Probe:
             raise ValueError(f"{call}: this probe was detached; call lp.attach(model) again")
 
     # -- discovery ---------------------------------------------------------------
-    def sublayers(self, inputs: Any = None, *, forward: Forward | None = None) -> list[Sublayer]:
-        """The physical sublayers (discovered from one forward on ``inputs`` the first time)."""
-        return [g.sublayer for g in self._ensure_groups(inputs, forward, "Probe.sublayers")]
+    def sublayers(
+        self, inputs: Any = None, *, forward: Forward | None = None, seed: int | None = 0
+    ) -> list[Sublayer]:
+        """The physical sublayers (discovered from one forward on ``inputs`` the first time,
+        with torch's RNG at ``seed``; ``None``: from the caller's RNG state, not advanced)."""
+        groups = self._ensure_groups(inputs, forward, "Probe.sublayers", seed)
+        return [g.sublayer for g in groups]
 
-    def _ensure_groups(self, inputs: Any, forward: Forward | None, call: str) -> list[_Group]:
+    def _ensure_groups(
+        self, inputs: Any, forward: Forward | None, call: str, seed: int | None = 0
+    ) -> list[_Group]:
         self._check_open(call)
         if self._groups is None:
+            _warn_partial_ties(self.model, call)
             names = self._requested
             if names is None:
                 names = getattr(self.model, "loopprobe_sublayers", None)
@@ -237,76 +236,34 @@ class Probe:
             else:
                 if inputs is None:
                     raise ValueError(f"{call}: discovering sublayers needs inputs; pass inputs")
-                groups = self._discover(inputs, forward, call)
+                groups = self._discover(inputs, forward, call, seed)
             groups = self._apply_exclude(groups, call)
             self._groups = [g.renumbered(j) for j, g in enumerate(groups)]
         return self._groups
 
     def _groups_from_names(self, names: list[str], call: str) -> list[_Group]:
         all_modules = dict(self.model.named_modules())
-        picked: list[str] = []
-        for pat in names:
-            hits = [n for n in all_modules if _match(pat, n)]
-            if not _is_glob(pat) and pat not in all_modules:
-                raise ValueError(
-                    f"{call}: sublayer {pat!r} is not a module of {type(self.model).__name__}; "
-                    f"module names look like {list(all_modules)[1:6]}"
-                )
-            hits = [n for n in hits if any(True for _ in all_modules[n].parameters())]
-            if not hits and not _is_glob(pat):
-                raise ValueError(
-                    f"{call}: sublayer {pat!r} owns no parameters; name modules that own the "
-                    "reused parameters"
-                )
-            if not hits:
-                raise ValueError(f"{call}: pattern {pat!r} matches no module with parameters")
-            picked += [n for n in hits if n not in picked]
-        by_params: dict[frozenset, list[str]] = {}
-        for n in picked:
-            by_params.setdefault(_pset(all_modules[n]), []).append(n)
-        keys = list(by_params)
-        for a in range(len(keys)):
-            for b in range(a + 1, len(keys)):
-                if keys[a] & keys[b]:
-                    raise ValueError(
-                        f"{call}: sublayers {by_params[keys[a]][0]!r} and "
-                        f"{by_params[keys[b]][0]!r} share some but not all parameters; name "
-                        "disjoint modules (e.g. blocks.0.attn and blocks.0.mlp, not blocks.0 too)"
-                    )
-        return [self._make_group(by_params[k], all_modules) for k in keys]
+        units = discover.groups_from_names(self.model, names, call)
+        return [self._make_group(u, all_modules) for u in units]
 
-    def _discover(self, inputs: Any, forward: Forward | None, call: str) -> list[_Group]:
+    def _discover(
+        self, inputs: Any, forward: Forward | None, call: str, seed: int | None = 0
+    ) -> list[_Group]:
         all_modules = dict(self.model.named_modules())
         owners = {n: m for n, m in all_modules.items() if any(True for _ in m.parameters())}
-        calls: list[tuple[str, int]] = []  # (module name, parent call index)
-        stack: list[int] = []
-        handles = []
+        device = _device_of(self.model)
+        cuda = [device.index or 0] if device.type == "cuda" else []
 
-        def pre(name: str) -> Callable:
-            def hook(module: nn.Module, args: Any) -> None:
-                calls.append((name, stack[-1] if stack else -1))
-                stack.append(len(calls) - 1)
-
-            return hook
-
-        def post(module: nn.Module, args: Any, out: Any) -> None:
-            if stack:
-                stack.pop()
+        def run() -> None:
+            # Forked: with seed=None discovery draws what the measured call will draw next.
+            with torch.random.fork_rng(devices=cuda), seeded(seed, device), torch.no_grad():
+                call_model(self.model, inputs, forward)
 
         with _restored(self.model):
-            try:
-                for n, m in owners.items():
-                    handles.append(m.register_forward_pre_hook(pre(n)))
-                    handles.append(m.register_forward_hook(post, always_call=True))
-                with torch.no_grad(), seeded(0, _device_of(self.model)):
-                    call_model(self.model, inputs, forward)
-            finally:
-                for h in handles:
-                    h.remove()
-        psets = {n: _pset(m) for n, m in owners.items()}
-        units = _looped_units(calls, psets, {n: type(m) for n, m in owners.items()})
-        if not units:
-            called = [n for n in owners if any(c == n for c, _ in calls)]
+            calls = discover.record_calls(owners, run)
+        found = discover.find_sublayers(calls)
+        if not found:
+            called = [n for n in owners if any(c.name == n for c in calls)]
             raise ValueError(
                 f"{call}: nothing is looped in {type(self.model).__name__}: no module that owns "
                 f"parameters was called more than once in one forward (called once: "
@@ -314,9 +271,15 @@ class Probe:
                 "lp.attach(model, sublayers=['blocks.*.attn', 'blocks.*.mlp']); parameters used "
                 "without a module call (F.linear(x, self.w) in a loop) need an nn.Module wrapper"
             )
-        return [self._make_group(names, all_modules) for names in units]
+        return [self._make_group(list(f.modules), all_modules, f.role, f.reason) for f in found]
 
-    def _make_group(self, names: list[str], all_modules: dict[str, nn.Module]) -> _Group:
+    def _make_group(
+        self,
+        names: list[str],
+        all_modules: dict[str, nn.Module],
+        role: str = "body",
+        reason: str = "named by the user",
+    ) -> _Group:
         rep = all_modules[names[0]]
         params = [p for _, p in rep.named_parameters()]
         index = {id(p): k for k, p in enumerate(params)}
@@ -335,6 +298,8 @@ class Probe:
             param_names=tuple(self._pnames[id(p)] for p in params),
             shapes=tuple(tuple(p.shape) for p in params),
             numel=sum(p.numel() for p in params),
+            role=role,
+            role_reason=reason,
         )
         return _Group(sub, params, [all_modules[n] for n in names], places)
 
@@ -457,9 +422,11 @@ class Probe:
                         for owner, pname, p in reversed(saved):
                             owner._parameters[pname] = p
 
-    def groups(self, inputs: Any = None, forward: Forward | None = None) -> list[_Group]:
+    def groups(
+        self, inputs: Any = None, forward: Forward | None = None, *, seed: int | None = 0
+    ) -> list[_Group]:
         """Sublayers with their live parameter tensors (for the estimators)."""
-        return self._ensure_groups(inputs, forward, "Probe.groups")
+        return self._ensure_groups(inputs, forward, "Probe.groups", seed)
 
     # -- public measurements -----------------------------------------------------
     def visits(
@@ -479,7 +446,7 @@ class Probe:
         forward runs with torch's RNG forked and set to ``seed`` (the caller's RNG state
         is left as it was; ``None``: use and advance the caller's RNG).
         """
-        groups = self._ensure_groups(inputs, forward, "Probe.visits")
+        groups = self._ensure_groups(inputs, forward, "Probe.visits", seed)
         leaves: list[list[torch.Tensor]] = []
 
         def enter(v: Visit, module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -518,21 +485,32 @@ class Probe:
         output: Output | None = None,
         seed: int | None = 0,
     ) -> pd.DataFrame:
-        """One row per physical sublayer: parameters, visits R_j, gradient-visible visits.
+        """One row per physical sublayer: role, nesting, parameters, visits R_j, visible visits.
+
+        ``role``: see :class:`Sublayer`. ``nested_in``: the body sublayers (comma-joined)
+        of the loop this one's visits run inside (HRM: the L blocks run inside the H
+        cycle), ``steps_per_outer`` visits per visit of it; empty when not nested (see
+        :func:`loopprobe.discover.nesting`).
 
         ``df.attrs`` holds the totals ``M`` (forward-visible visits) and ``M_g``
         (gradient-visible visits), both measured, and ``M_formula``/``M_g_formula`` from
         ``model.cfg.M``/``.M_g`` when the model states them. Reference: seed 002, Eq. 17-18.
         """
         visits = self.visits(inputs, forward=forward, output=output, seed=seed)
+        subs = [g.sublayer for g in self.groups()]
+        body = [s.index for s in subs if s.role == "body"]
+        nested = discover.nesting([v.j for v in visits], body)
         rows = []
-        for g in self.groups():
-            s = g.sublayer
+        for s in subs:
             mine = [v for v in visits if v.j == s.index]
+            loop, steps = nested.get(s.index, ([], float("nan")))
             rows.append(
                 {
                     "sublayer": s.name,
                     "j": s.index,
+                    "role": s.role,
+                    "nested_in": ",".join(subs[b].name for b in loop),
+                    "steps_per_outer": steps,
                     "modules": ",".join(s.modules),
                     "parameters": s.numel,
                     "tensors": len(s.param_names),
@@ -567,7 +545,7 @@ class Probe:
         is ``rec.visits[i]`` with ``sublayer``, ``j``, ``r``, ``module``, ``grad_enabled``,
         ``args``, ``kwargs`` and ``output``.
         """
-        self._ensure_groups(inputs, forward, "Probe.record")
+        self._ensure_groups(inputs, forward, "Probe.record", seed)
         records: list[VisitRecord] = []
         keep = copy_tree if copy else (lambda x: x)
 
@@ -682,64 +660,6 @@ def _replace(obj: Any, **changes: Any) -> Any:
     return replace(obj, **changes)
 
 
-def _looped_units(
-    calls: list[tuple[str, int]], psets: dict[str, frozenset], types: dict[str, type]
-) -> list[list[str]]:
-    """The outermost looped parameter groups, as lists of module names, in call order.
-
-    ``calls`` is the pre-order call log ``(module name, parent call)``. Modules with equal
-    parameter sets form a group. A group's *visits* are its calls that contain no other
-    call of the group; each visit is named by the outermost enclosing call of the same
-    group that contains only this visit (a block wrapping its only Linear is one visit,
-    the model wrapping R of them is not). A group is looped when it has more than one
-    visit and those modules share one class (tied embedding/head is not a loop).
-    """
-    key = [psets[n] for n, _ in calls]
-    leaves_under = [0] * len(calls)
-    has_child = [False] * len(calls)
-    for c in range(len(calls)):
-        a = calls[c][1]
-        while a >= 0:
-            if key[a] == key[c]:
-                has_child[a] = True
-            a = calls[a][1]
-    for c in range(len(calls)):
-        if has_child[c]:
-            continue
-        a = c
-        while a >= 0:
-            if key[a] == key[c]:
-                leaves_under[a] += 1
-            a = calls[a][1]
-    tops: dict[frozenset, list[int]] = {}
-    for c in range(len(calls)):
-        if has_child[c]:
-            continue
-        top = c
-        while True:
-            parent = calls[top][1]
-            if parent < 0 or key[parent] != key[c] or leaves_under[parent] != 1:
-                break
-            top = parent
-        tops.setdefault(key[c], []).append(top)
-
-    def depth(c: int) -> int:
-        d = 0
-        while calls[c][1] >= 0:
-            c, d = calls[c][1], d + 1
-        return d
-
-    looped = [
-        k for k, cs in tops.items() if len(cs) > 1 and len({types[calls[c][0]] for c in cs}) == 1
-    ]
-    chosen: list[frozenset] = []
-    for k in sorted(looped, key=lambda k: (depth(tops[k][0]), tops[k][0])):
-        if not any(k & c for c in chosen):
-            chosen.append(k)
-    chosen.sort(key=lambda k: tops[k][0])
-    return [list(dict.fromkeys(calls[c][0] for c in tops[k])) for k in chosen]
-
-
 def _nonzero(grad: torch.Tensor | None) -> bool:
     return grad is not None and bool(grad.ne(0).any())
 
@@ -749,8 +669,18 @@ def _device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def _pset(module: nn.Module) -> frozenset:
-    return frozenset(id(p) for p in module.parameters())
+def _warn_partial_ties(model: nn.Module, call: str) -> None:
+    pairs = discover.partial_ties(model)
+    if pairs:
+        a, b, shared, rest = pairs[0]
+        more = f" (and {len(pairs) - 1} more pairs)" if len(pairs) > 1 else ""
+        warnings.warn(
+            f"{call}: {a!r} and {b!r} ({type(model.get_submodule(a)).__name__}) are partly "
+            f"tied: they share {shared} but not {rest}{more}. That is how silently broken "
+            f"weight tying looks; tie all of a module's parameters (e.g. {b}.{rest[0]} = "
+            f"{a}.{rest[0]}) or none. Each parameter set is its own sublayer here",
+            stacklevel=4,
+        )
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:

@@ -46,8 +46,8 @@ def test_a_kappa_above_R_or_nan_is_flagged_not_printed_as_a_measurement():
     )
     ok, problems = _kappa_checks(sub)
     assert ok == [True, False, False, True]
-    assert "outside [0, R_j = 3]" in problems[0] and "b" in problems[0]
-    assert "kappa of c is NaN" in problems[1]
+    assert "outside [0, R_j = 3]" in problems[1] and "b" in problems[1]
+    assert "kappa of c is NaN" in problems[2]
 
 
 class TwoBranches(nn.Module):
