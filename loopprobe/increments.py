@@ -31,9 +31,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from loopprobe import plots
+from loopprobe._stats import cosine_matrix, loglog_slope
 from loopprobe.sweeps import grid, sweep
 from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach, call_model
 
@@ -59,6 +62,10 @@ __all__ = [
 
 IncrementFn = Callable[[VisitRecord], torch.Tensor]
 GROUPINGS = ("auto", "sublayer", "role")
+MODES = ("auto", "output", "delta")
+_MEASURED = {"output": "output", "delta": "output - input"}
+GROWTH_RELATIVE = "||h_N - h_0|| / ||h_0||"
+GROWTH_ABSOLUTE = "RMS(h_N - h_0) (h_0 = 0, so no relative change)"
 
 
 # --------------------------------------------------------------------------- result
@@ -72,6 +79,11 @@ class Increments:
     cosine matrix of group g's increments in visit order, ``ratio[g]`` its
     ``||sum inc||^2 / sum ||inc||^2``. ``stream_rms[i]`` is the RMS of the stream after
     visit i (as the next visit reads it; the final state for the last visit).
+    ``measured[sublayer]`` is what was taken as its increment (``"output"``,
+    ``"output - input"`` or ``"callable"``) and ``evidence[sublayer]`` why. ``growth`` is
+    ``growth_measure`` (the relative change, or an absolute RMS when ``h_0 = 0``).
+    ``converged`` is True when every statistic is finite and defined and nothing
+    contradicts what was measured; ``reason`` says what is not ("" when converged).
     """
 
     visits: list[Visit]
@@ -87,7 +99,47 @@ class Increments:
     hN_rms: float
     growth: float
     hN_source: str
+    growth_measure: str = GROWTH_RELATIVE
+    measured: dict[str, str] = field(default_factory=dict)
+    evidence: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
     attrs: dict = field(default_factory=dict)
+
+    @property
+    def converged(self) -> bool:
+        return not self._not_converged()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self._not_converged())
+
+    def _not_converged(self) -> list[str]:
+        why = list(self.problems)
+        for name in ("growth", "hN_rms", "h0_rms"):
+            if not math.isfinite(getattr(self, name)):
+                why.append(f"{name} is {getattr(self, name)}")
+        bad = [k for k in range(len(self.visits)) if not np.isfinite(self.inc_norm[k])]
+        zero = [k for k in range(len(self.visits)) if self.inc_norm[k] == 0]
+        for k, what in [*((k, "non-finite") for k in bad), *((k, "zero") for k in zero)]:
+            v = self.visits[k]
+            why.append(
+                f"the increment of {v.sublayer!r} at r={v.r} is {what}, so its cosines are "
+                "undefined"
+            )
+        if not any(len(c) > 1 for c in self.cos):
+            why.append(
+                f"no group has two visits (grouping {self.grouping!r}), so there is no "
+                "cross-visit cosine or ratio"
+            )
+        return why
+
+    @property
+    def increment(self) -> str:
+        """What was measured as the increment: one kind, or ``mixed (...)`` per sublayer."""
+        kinds = set(self.measured.values())
+        if len(kinds) == 1:
+            return kinds.pop()
+        return "mixed (" + ", ".join(f"{s}: {m}" for s, m in self.measured.items()) + ")"
 
     @property
     def mean_offdiag_cos(self) -> float:
@@ -115,6 +167,7 @@ class Increments:
                     "module": v.module,
                     "group": self.groups[g],
                     "k": pos[g],
+                    "measured": self.measured.get(v.sublayer, ""),
                     "inc_norm": float(self.inc_norm[k]),
                     "inc_rms": float(self.inc_rms[k]),
                     "stream_rms": float(self.stream_rms[k]),
@@ -155,8 +208,27 @@ class Increments:
             "h0_rms": self.h0_rms,
             "hN_rms": self.hN_rms,
             "growth": self.growth,
+            "growth_measure": self.growth_measure,
             "hN_source": self.hN_source,
+            "increment": self.increment,
+            "measured": dict(self.measured),
+            "evidence": dict(self.evidence),
+            "converged": self.converged,
+            "reason": self.reason,
         }
+
+    def __str__(self) -> str:
+        lines = [f"Increments of {len(self.visits)} visits, grouped by {self.grouping}:"]
+        for name, c, ratio in zip(self.groups, self.cos, self.ratio, strict=True):
+            lines.append(
+                f"  {name}: {len(c)} visits, mean off-diagonal cos {_offdiag_mean(c):.3f}, "
+                f"ratio {ratio:.3g}"
+            )
+        for s, m in self.measured.items():
+            lines.append(f"  {s}: measured {m} ({self.evidence.get(s, '')})")
+        lines.append(f"growth {self.growth_measure} = {self.growth:.4g} (h_N: {self.hN_source})")
+        lines.append(_converged_line(self.converged, self.reason))
+        return "\n".join(lines)
 
     def heatmap(self, max_panels: int = 4) -> Figure:
         """Seaborn heatmaps of the increment cosine matrices (one panel per group)."""
@@ -169,6 +241,10 @@ class Increments:
     def stream_plot(self) -> Figure:
         """Line plot: stream RMS after each visit (execution order), a marker per group."""
         return stream_plot(self.to_frame())
+
+
+def _converged_line(converged: bool, reason: str) -> str:
+    return "converged: yes" if converged else f"converged: NO ({reason})"
 
 
 def stream_plot(df: pd.DataFrame, *, x: str = "i", y: str = "stream_rms") -> Figure:
@@ -197,7 +273,7 @@ def increments(
     inputs: Any,
     *,
     forward: Forward | None = None,
-    increment: str | IncrementFn = "output",
+    increment: str | IncrementFn = "auto",
     group_by: str = "auto",
     sublayers: Sequence[str] | None = None,
     copy: bool = True,
@@ -210,54 +286,86 @@ def increments(
     ``forward``, a model with a ``hidden`` method (the reference-model interface) is run
     through ``model.hidden(inputs)``; otherwise ``h_N`` is the last visit's input plus its
     increment (exact for additive pre-norm residuals; ``hN_source`` says which was used).
-    ``h_0`` is the first visit's input. ``group_by``: ``"sublayer"`` (the visits of one
-    physical sublayer), ``"role"`` (sublayers whose names agree up to their integer
-    indices, e.g. ``blocks.*.attn``: the unrolled positions of an untied stack) or
-    ``"auto"`` (``sublayer`` if any sublayer is visited twice, else ``role``).
+    ``h_0`` is the first visit's input; when it is zero (a zero-initialised state) the
+    relative change is undefined and ``growth`` is the RMS of ``h_N - h_0`` instead
+    (``growth_measure`` says which).
+
+    ``increment`` says what a visit adds to the stream (the *stream* is the visit's first
+    floating-point tensor argument shaped like its output, positional or keyword):
+    ``"output"`` (a residual branch), ``"delta"`` (``output - input``: a block returning
+    the updated stream), a callable ``record -> Tensor``, or ``"auto"`` (default), decided
+    per sublayer from the forward pass itself: when the next visit (or the model output)
+    reads this visit's output, the sublayer returns the state and ``delta`` is measured;
+    when it reads input + output, ``output`` is. Without such a chain, by size:
+    ``||output - input|| <= ||input|| / 2`` at every visit is a state, ``||output|| <=
+    ||input|| / 2`` an increment; anything else is a ValueError asking for the choice.
+    An explicit choice that the chain contradicts is measured as asked but makes the
+    result ``converged=False`` with the reason. ``measured`` and ``evidence`` record,
+    per sublayer, what was measured and why.
+
     Nothing but the increments (cloned unless ``copy=False``, which is faster but only
     right for models that do not edit a branch output in place after it returns), the
     first input and per-visit stream norms is kept: one visit session of the probe, no
-    full recording.
-    Reference: DESIGN.md §3.
+    full recording. The caller's RNG state is restored afterwards (dropout in training
+    mode draws from a fork). Reference: DESIGN.md §3.
     """
     call = "increments"
     if group_by not in GROUPINGS:
         raise ValueError(f"{call}: group_by={group_by!r}; choose one of {list(GROUPINGS)}")
-    inc_fn = _increment_fn(increment, call)
+    if not (callable(increment) or increment in MODES):
+        raise ValueError(
+            f"{call}: increment={increment!r}; use 'auto' (decided from the forward pass), "
+            "'output' (the sublayer returns the increment), 'delta' (it returns the updated "
+            "stream) or a callable record -> Tensor"
+        )
     probe = model if isinstance(model, Probe) else attach(_module(model, call), sublayers)
     if forward is None and callable(getattr(probe.model, "hidden", None)):
         forward = _hidden
-    visits, h0, x_rms, incs, out, last = _collect(probe, inputs, forward, inc_fn, increment, copy)
+    with _caller_rng(probe.model):
+        col = _Collector(increment, copy, call)
+        out = col.run(probe, inputs, forward)
+    visits, h0, incs = col.visits, col.h0, col.incs
     if isinstance(out, torch.Tensor) and out.shape == h0.shape:
         hN, source = out.detach(), "forward output"
     else:
-        x, z, version = last
+        x, version, k = col.last
         if x._version != version:
             raise ValueError(
                 f"{call}: the stream read by the last visit ({visits[-1].sublayer!r}) was "
                 "modified in place afterwards, so h_N cannot be rebuilt as input + increment; "
                 "pass forward=lambda m, x: ... returning the final state"
             )
-        hN, source = x.detach() + z, "last visit input + increment"
+        hN, source = x.detach() + incs[k], "last visit input + increment"
+        if hN.shape != h0.shape:
+            raise ValueError(
+                f"{call}: the first visit reads a stream of shape {tuple(h0.shape)} but the "
+                f"last one {tuple(x.shape)}, so ||h_N - h_0|| is undefined; pass "
+                "forward=lambda m, x: ... returning the final state shaped like h_0"
+            )
     grouping, keys = _group_keys(visits, group_by)
     names = list(dict.fromkeys(keys))
     group_of = [names.index(k) for k in keys]
     with torch.no_grad():
         n = h0.numel()
         # the stream after visit i is what visit i+1 read (its RMS taken at call time)
-        stream_rms = torch.stack([*x_rms[1:], torch.linalg.vector_norm(hN) / math.sqrt(n)])
+        stream_rms = torch.stack([*col.x_rms[1:], torch.linalg.vector_norm(hN) / math.sqrt(n)])
         h0_norm = float(torch.linalg.vector_norm(h0.double()))
         dist = float(torch.linalg.vector_norm((hN - h0).double()))
         cos, ratio = [], []
         inc_norm = np.zeros(len(incs))
-        for g in range(len(names)):
+        for g, name in enumerate(names):
             idx = [k for k in range(len(keys)) if group_of[k] == g]
+            _same_shapes(call, name, [visits[k] for k in idx], [incs[k] for k in idx])
             Zg = torch.stack([incs[k].reshape(-1) for k in idx])
-            gram = (Zg @ Zg.T).double().cpu().numpy()  # dot products in the model's dtype
-            inc_norm[idx] = np.sqrt(np.clip(np.diag(gram), 0.0, None))
-            cos.append(_cosine(gram))
-            tr = float(np.trace(gram))
-            ratio.append(float(gram.sum() / tr) if tr > 0 else math.nan)
+            gram = (Zg @ Zg.T).double()  # dot products in the model's dtype
+            inc_norm[idx] = gram.diagonal().clamp_min(0).sqrt().cpu().numpy()
+            cos.append(cosine_matrix(gram).cpu().numpy())
+            tr = float(gram.trace())
+            ratio.append(float(gram.sum()) / tr if tr > 0 else math.nan)
+    if h0_norm > 0:
+        growth, measure = dist / h0_norm, GROWTH_RELATIVE
+    else:
+        growth, measure = dist / math.sqrt(n), GROWTH_ABSOLUTE
     return Increments(
         visits=visits,
         grouping=grouping,
@@ -268,43 +376,211 @@ def increments(
         stream_rms=stream_rms.double().cpu().numpy(),
         cos=cos,
         ratio=ratio,
-        h0_rms=h0_norm / math.sqrt(h0.numel()),
+        h0_rms=h0_norm / math.sqrt(n),
         hN_rms=_rms(hN),
-        growth=dist / h0_norm if h0_norm > 0 else math.inf,
+        growth=growth,
         hN_source=source,
+        growth_measure=measure,
+        measured=col.measured,
+        evidence=col.evidence,
+        problems=col.problems,
     )
 
 
-def _collect(probe: Probe, inputs: Any, forward: Forward | None, inc_fn, increment, copy: bool):
+_CHAIN = {
+    "state": "the next visit reads its output (it returns the updated stream)",
+    "increment": "the next visit reads input + output (it returns the increment)",
+}
+_SIZE = {
+    "state": "||output - input|| <= ||input||/2 at every visit (it returns the updated stream)",
+    "increment": "||output|| <= ||input||/2 at every visit (it returns the increment)",
+}
+
+
+class _Collector:
     """One forward through the probe's visit session, keeping per visit only what is needed.
 
     At each visit's return: the RMS of the stream it read, its increment (a clone when
     ``copy``, so later in-place edits cannot change it), a clone of the first visit's
-    input (``h_0``), and the last visit's input with its version counter (``h_N`` falls
-    back to input + increment and must detect an in-place edit of that input).
+    input (``h_0``), the last visit's input with its version counter (``h_N`` falls back
+    to input + increment and must detect an in-place edit of that input), and the
+    evidence for what the sublayer returns: whether the next visit reads this output
+    (a state) or input + output (an increment), and the sizes of output and input.
+    In ``auto`` mode a visit whose sublayer is still undecided keeps its output and a
+    clone of its input until the evidence arrives (usually at the next visit).
     """
-    probe.sublayers(inputs, forward=forward)  # discovery (once per probe) needs the inputs
-    visits, x_rms, incs = [], [], []
-    keep: dict[str, Any] = {}
 
-    def leave(v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
+    def __init__(self, increment: str | IncrementFn, copy: bool, call: str):
+        self.increment, self.copy, self.call = increment, copy, call
+        self.visits: list[Visit] = []
+        self.x_rms: list[torch.Tensor] = []
+        self.incs: list[Any] = []  # None while an auto visit's sublayer is undecided
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.chain: dict[str, dict[str, int]] = {}  # sublayer -> {kind: first r seen}
+        self.size: dict[str, list[tuple[int, str | None, float, float]]] = {}
+        self.prev: tuple[Visit, torch.Tensor, torch.Tensor] | None = None
+        self.h0: torch.Tensor | None = None
+        self.last: tuple[torch.Tensor, int, int] | None = None
+        self.measured: dict[str, str] = {}
+        self.evidence: dict[str, str] = {}
+        self.problems: list[str] = []
+
+    def run(self, probe: Probe, inputs: Any, forward: Forward | None) -> Any:
+        probe.sublayers(inputs, forward=forward)  # discovery (once per probe) needs the inputs
+        with torch.no_grad(), probe.session(None, self.leave, call=self.call):
+            out = call_model(probe.model, inputs, forward)
+        if not self.visits:
+            raise ValueError(
+                f"{self.call}: the forward pass made no visit to any sublayer; check inputs"
+            )
+        if isinstance(out, torch.Tensor):
+            self._chain_evidence(out.detach())  # the model output read the last visit's
+        self._resolve()
+        return out
+
+    def leave(self, v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
         rec = VisitRecord(v, args, kwargs, out)
-        x = _stream_in(rec, "increments")
-        z = inc_fn(rec)
-        _check_increment(rec, x, z, increment, "increments")
-        if not visits:
-            keep["h0"] = x.detach().clone()
-        visits.append(v)
-        x_rms.append(torch.linalg.vector_norm(x.detach()) / math.sqrt(x.numel()))
-        fresh = increment == "delta"  # out - x is a new tensor nobody else holds
-        incs.append(z.detach().clone() if copy and not fresh else z.detach())
-        keep["last"] = (x, incs[-1], x._version)
+        x = _stream_in(rec, self.call)
+        self._chain_evidence(x.detach())
+        if callable(self.increment):
+            z = self.increment(rec)
+            _check_increment(rec, x, z, self.increment, self.call)
+            inc = z.detach().clone() if self.copy else z.detach()
+        else:
+            _check_increment(rec, x, out, self.increment, self.call)
+            inc = self._store(v, x.detach(), out.detach())
+        if self.h0 is None:
+            self.h0 = x.detach().clone()
+        self.visits.append(v)
+        self.x_rms.append(torch.linalg.vector_norm(x.detach()) / math.sqrt(x.numel()))
+        self.incs.append(inc)
+        self.last = (x, x._version, len(self.incs) - 1)
 
-    with torch.no_grad(), probe.session(None, leave, call="increments"):
-        out = call_model(probe.model, inputs, forward)
-    if not visits:
-        raise ValueError("increments: the forward pass made no visit to any sublayer; check inputs")
-    return visits, keep["h0"], x_rms, incs, out, keep["last"]
+    def _store(self, v: Visit, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        nx, ny, ns = (float(torch.linalg.vector_norm(t)) for t in (x, y, y - x))
+        kind = "state" if ns <= nx / 2 else "increment" if ny <= nx / 2 else None
+        rs, ry = (ns / nx, ny / nx) if nx > 0 else (math.inf, math.inf)
+        self.size.setdefault(v.sublayer, []).append((v.r, kind if nx > 0 else None, rs, ry))
+        self.prev = (v, y, x + y)
+        mode = self._mode(v.sublayer)
+        if mode is None:  # auto and undecided: keep both until the evidence arrives
+            self.pending[len(self.incs)] = (y.clone() if self.copy else y, x.clone())
+            return None
+        return self._increment(mode, x, y, cloned=False)
+
+    def _increment(self, mode: str, x: torch.Tensor, y: torch.Tensor, cloned: bool) -> torch.Tensor:
+        if mode == "delta":
+            return y - x  # a new tensor nobody else holds
+        return y.clone() if self.copy and not cloned else y
+
+    def _mode(self, sublayer: str) -> str | None:
+        if self.increment != "auto":
+            return self.increment
+        kinds = self.chain.get(sublayer, {})
+        if len(kinds) != 1:
+            return None
+        return "delta" if "state" in kinds else "output"
+
+    def _chain_evidence(self, x_next: torch.Tensor) -> None:
+        """Does the stream read next equal the previous visit's output, or input + output?"""
+        if self.prev is None:
+            return
+        v, y, s = self.prev
+        self.prev = None
+        if x_next.shape != y.shape:
+            return
+        state, inc = x_next is y or _close(x_next, y), _close(x_next, s)
+        if state == inc:  # neither, or both (a zero input): no evidence
+            return
+        self.chain.setdefault(v.sublayer, {}).setdefault("state" if state else "increment", v.r)
+        if self.increment == "auto" and self._mode(v.sublayer) is not None:
+            self._flush(v.sublayer)
+
+    def _flush(self, sublayer: str) -> None:
+        mode = self._mode(sublayer)
+        for k in [k for k in self.pending if self.visits[k].sublayer == sublayer]:
+            y, x = self.pending.pop(k)
+            self.incs[k] = self._increment(mode, x, y, cloned=True)
+
+    def _resolve(self) -> None:
+        """Decide what each sublayer returns; an undecidable ``auto`` sublayer is a ValueError."""
+        for s in dict.fromkeys(v.sublayer for v in self.visits):
+            if callable(self.increment):
+                self.measured[s], self.evidence[s] = "callable", "chosen: a callable"
+                continue
+            kind, why = self._evidence(s)
+            if self.increment == "auto":
+                if kind is None:
+                    self._undecided(s, why)
+                self.chain[s] = {kind: 0}
+                self._flush(s)
+                mode = "delta" if kind == "state" else "output"
+                self.evidence[s] = f"detected: {why}"
+            else:
+                mode, self.evidence[s] = self.increment, f"chosen: increment={self.increment!r}"
+                if kind == {"output": "state", "delta": "increment"}[mode]:
+                    other = "delta" if mode == "output" else "output"
+                    self.problems.append(
+                        f"sublayer {s!r} was measured with increment={mode!r} but {why}; "
+                        f"increment={other!r} (or 'auto') measures its increments"
+                    )
+                    self.evidence[s] += f", contradicted: {why}"
+            self.measured[s] = _MEASURED[mode]
+
+    def _evidence(self, sublayer: str) -> tuple[str | None, str]:
+        """``("state" | "increment" | None, why)`` from the chain, else from the sizes."""
+        kinds = self.chain.get(sublayer, {})
+        if len(kinds) == 2:
+            return None, "the forward pass says both: " + ", ".join(
+                f"{_CHAIN[k]} at r={r}" for k, r in kinds.items()
+            )
+        if kinds:
+            kind = next(iter(kinds))
+            return kind, _CHAIN[kind]
+        sizes = {k for _, k, _, _ in self.size[sublayer]}
+        if len(sizes) == 1 and None not in sizes:
+            kind = sizes.pop()
+            return kind, _SIZE[kind]
+        return None, "no visit reads its output or input + output"
+
+    def _undecided(self, sublayer: str, why: str) -> None:
+        r, _, rs, ry = self.size[sublayer][0]
+        raise ValueError(
+            f"{self.call}: cannot tell whether sublayer {sublayer!r} returns its residual "
+            f"increment or the updated stream: {why}, and by size it is ambiguous "
+            f"(visit r={r}: ||output - input||/||input|| = {rs:.3g}, ||output||/||input|| = "
+            f"{ry:.3g}); pass increment='output' if it returns what is added to the stream, "
+            "increment='delta' if it returns the updated stream, or a callable"
+        )
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    tol = math.sqrt(torch.finfo(b.dtype).eps) if b.is_floating_point() else 0.0
+    if not a.is_floating_point() or a.dtype != b.dtype:
+        return False
+    return float(torch.linalg.vector_norm(a - b)) <= tol * float(torch.linalg.vector_norm(b))
+
+
+@contextlib.contextmanager
+def _caller_rng(model: nn.Module) -> Iterator[None]:
+    """Run the block on a fork of torch's RNG, so the caller's RNG does not advance."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        yield
+
+
+def _same_shapes(call: str, group: str, visits: list[Visit], incs: list[torch.Tensor]) -> None:
+    shapes = {tuple(z.shape) for z in incs}
+    if len(shapes) > 1:
+        pairs = list(zip(visits, incs, strict=True))[:4]
+        seen = ", ".join(f"{v.sublayer} r={v.r}: {tuple(z.shape)}" for v, z in pairs)
+        raise ValueError(
+            f"{call}: the visits of group {group!r} read streams of different shapes ({seen}, "
+            "...), e.g. a router sends different tokens to each visit; increments of different "
+            "tokens have no cosine. Pass increment=lambda rec: ... returning each increment "
+            "scattered back to a fixed shape, or group_by='sublayer' for visits of one shape"
+        )
 
 
 def _hidden(model: nn.Module, inputs: Any) -> Any:
@@ -317,19 +593,6 @@ def _module(model: Any, call: str) -> nn.Module:
     return model
 
 
-def _increment_fn(increment: str | IncrementFn, call: str) -> IncrementFn:
-    if increment == "output":
-        return lambda v: v.output
-    if increment == "delta":
-        return lambda v: v.output - v.args[0] if isinstance(v.output, torch.Tensor) else v.output
-    if callable(increment):
-        return increment
-    raise ValueError(
-        f"{call}: increment={increment!r}; use 'output' (the sublayer returns the increment), "
-        "'delta' (it returns the updated stream) or a callable record -> Tensor"
-    )
-
-
 _HOW = (
     "point the probe at the residual branch whose output is the increment as added to the "
     "stream, e.g. lp.attach(model, sublayers=['blocks.*.attn', 'blocks.*.mlp']), pass "
@@ -339,13 +602,19 @@ _HOW = (
 
 
 def _stream_in(v: VisitRecord, call: str) -> torch.Tensor:
-    x = v.args[0] if v.args else next(iter(v.kwargs.values()), None)
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+    """The stream a visit reads: its first float tensor argument shaped like its output."""
+    found = [
+        t
+        for t in (*v.args, *v.kwargs.values())
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    if not found:
         raise ValueError(
             f"{call}: visit r={v.r} of sublayer {v.sublayer!r} (module {v.module!r}) has no "
             f"floating-point tensor input to take as the residual stream; {_HOW}"
         )
-    return x
+    shape = v.output.shape if isinstance(v.output, torch.Tensor) else None
+    return next((t for t in found if t.shape == shape), found[0])
 
 
 def _check_increment(v: VisitRecord, x: torch.Tensor, z: Any, increment: Any, call: str) -> None:
@@ -358,8 +627,8 @@ def _check_increment(v: VisitRecord, x: torch.Tensor, z: Any, increment: Any, ca
         raise ValueError(
             f"{call}: cannot locate the residual increment of sublayer {v.sublayer!r} "
             f"(module {v.module!r}): its output has shape {tuple(z.shape)} but the stream it "
-            f"reads has shape {tuple(x.shape)}, so it is not a residual-shaped branch output; "
-            f"{_HOW}"
+            f"reads has shape {tuple(x.shape)}, so it is not a residual-shaped branch output "
+            f"(loopprobe does not broadcast one against the other); {_HOW}"
         )
 
 
@@ -377,14 +646,6 @@ def _group_keys(visits: list[VisitRecord], group_by: str) -> tuple[str, list[str
 def role(name: str) -> str:
     """A sublayer's role: its name with every integer path segment replaced by ``*``."""
     return ".".join("*" if re.fullmatch(r"\d+", part) else part for part in name.split("."))
-
-
-def _cosine(gram: np.ndarray) -> np.ndarray:
-    d = np.sqrt(np.clip(np.diag(gram), 0.0, None))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        c = gram / np.outer(d, d)
-    c[np.outer(d, d) == 0] = np.nan
-    return c
 
 
 def _offdiag_mean(c: np.ndarray) -> float:
@@ -453,6 +714,9 @@ class Growth:
     ``slope`` is the least-squares slope of ``log growth`` on ``log N`` over every
     finite row (seeds pooled); ``slope_per_seed`` fits each seed alone.
     ``mean_offdiag_cos`` and ``mean_ratio`` are the seed means at the largest N.
+    ``converged`` is True when every cell ran, is finite and converged, all cells measure
+    growth the same way, every slope is defined and the regime has a name; ``reason``
+    says what is not ("" when converged).
     """
 
     rows: pd.DataFrame
@@ -463,7 +727,51 @@ class Growth:
     regime: str
     config: dict = field(default_factory=dict)
 
+    @property
+    def converged(self) -> bool:
+        return not self._not_converged()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self._not_converged())
+
+    def _not_converged(self) -> list[str]:
+        rows, why = self.rows, []
+        cell = lambda r: f"N={r['N']} seed={r['seed']}"  # noqa: E731
+        bad = rows[rows["diverged"]]
+        if len(bad):
+            first = bad.iloc[0]
+            why.append(
+                f"{len(bad)} of {len(rows)} cells diverged ({cell(first)}: {first['error']})"
+            )
+        if "converged" in rows:
+            weak = rows[~rows["diverged"] & (rows["converged"] != True)]  # noqa: E712
+            why += [f"{cell(r)}: {r['reason']}" for _, r in weak.head(3).iterrows()]
+            if len(weak) > 3:
+                why.append(f"{len(weak) - 3} more cells not converged")
+        measures = rows.loc[~rows["diverged"], "growth_measure"].dropna().unique()
+        if len(measures) > 1:
+            why.append(
+                f"cells measure growth differently ({', '.join(measures)}): one slope over "
+                "them is meaningless"
+            )
+        if not math.isfinite(self.slope):
+            why.append(
+                "the growth slope is undefined (fewer than two N with positive finite growth)"
+            )
+        nan_seeds = [s for s, v in self.slope_per_seed.items() if not math.isfinite(v)]
+        if nan_seeds:
+            why.append(f"the growth slope of seeds {nan_seeds} is undefined")
+        if (
+            self.regime.startswith("undetermined")
+            or "between" in self.regime
+            or "unknown" in self.regime
+        ):
+            why.append(f"the regime is inconclusive ({self.regime})")
+        return why
+
     def to_frame(self) -> pd.DataFrame:
+        self.rows.attrs.update(self.summary())
         return self.rows
 
     def per_N(self) -> pd.DataFrame:
@@ -488,7 +796,18 @@ class Growth:
             "mean_ratio": self.mean_ratio,
             "regime": self.regime,
             "diverged_rows": int(self.rows["diverged"].sum()),
+            "converged": self.converged,
+            "reason": self.reason,
         }
+
+    def __str__(self) -> str:
+        lines = [
+            f"growth slope {self.slope:.3f} over N = {sorted(self.rows['N'].unique())}",
+            f"mean off-diagonal cosine at largest N: {self.mean_offdiag_cos:.3f}",
+            f"regime: {self.regime}",
+            _converged_line(self.converged, self.reason),
+        ]
+        return "\n".join(lines)
 
     def plot(self, **kw: Any) -> Figure:
         hue = "residual" if "residual" in self.rows else None
@@ -541,12 +860,12 @@ def growth_sweep(
 
 
 def _fit(df: pd.DataFrame, config: dict) -> Growth:
-    for col in ("growth", "mean_offdiag_cos", "mean_ratio", "hN_rms"):
+    for col in ("growth", "mean_offdiag_cos", "mean_ratio", "hN_rms", "growth_measure"):
         if col not in df:
             df[col] = math.nan
     ok = df[~df["diverged"]]
-    slope = plots.loglog_slope(ok["N"], ok["growth"])
-    per_seed = {int(s): plots.loglog_slope(g["N"], g["growth"]) for s, g in ok.groupby("seed")}
+    slope = loglog_slope(ok["N"], ok["growth"])
+    per_seed = {int(s): loglog_slope(g["N"], g["growth"]) for s, g in ok.groupby("seed")}
     top = ok[ok["N"] == ok["N"].max()] if len(ok) else ok
     cos = float(top["mean_offdiag_cos"].mean()) if len(top) else math.nan
     ratio = float(top["mean_ratio"].mean()) if len(top) else math.nan
@@ -664,11 +983,11 @@ def _reference_cell(cfg: dict) -> dict:
 
 def _row(inc: Increments) -> dict:
     """A sweep row; only a non-finite state is divergence (one visit has no cosine: NaN)."""
-    row = inc.summary()
+    row = {k: v for k, v in inc.summary().items() if not isinstance(v, dict)}
     bad = [k for k in ("growth", "hN_rms") if not math.isfinite(row[k])]
     row["diverged"] = bool(bad)
     row["error"] = f"non-finite {', '.join(bad)}" if bad else None
     return row
 
 
-_reference_cell.version = 1
+_reference_cell.version = 2

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loopprobe._checks import count as _count
+
 Step = Callable[..., torch.Tensor]
 Map = Callable[[torch.Tensor], torch.Tensor]
 
@@ -204,12 +206,6 @@ def _rel(num: torch.Tensor, den: torch.Tensor) -> float:
 def _positive(call: str, name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{call}: {name} must be a number > 0, got {value!r}")
-
-
-def _count(call: str, name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{call}: {name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 # ------------------------------------------------------------------------- JVP plumbing
