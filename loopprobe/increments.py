@@ -4,10 +4,13 @@ A visit's *increment* is what its residual branch adds to the stream, with the m
 scaling (pre-norm ``h <- h + eps f(Norm(h))``: the increment is ``eps f(Norm(h))``). It is
 read from the visit recording of :meth:`loopprobe.Probe.record` (no second hook layer):
 
-- ``increment="output"`` (default): the sublayer's output *is* the increment (the
-  reference models' ``blocks[k].attn`` / ``.mlp`` branch modules);
+- ``increment="output"``: the sublayer's output *is* the increment (the reference
+  models' ``blocks[k].attn`` / ``.mlp`` branch modules);
 - ``increment="delta"``: the sublayer returns the updated stream (a whole residual block
-  ``x + f(x)``); the increment is ``output - input``;
+  ``x + f(x)``, most third-party loop bodies); the increment is ``output - input``;
+- ``increment="auto"`` (default): one of the two per sublayer, read off the forward pass
+  (does the next visit read the output, or input + output?); the result's ``measured``
+  and ``evidence`` say which and why;
 - a callable ``increment(record) -> Tensor`` for anything else (``record`` is a
   :class:`loopprobe.VisitRecord` with ``args``, ``kwargs`` and ``output``).
 
@@ -82,8 +85,10 @@ class Increments:
     ``measured[sublayer]`` is what was taken as its increment (``"output"``,
     ``"output - input"`` or ``"callable"``) and ``evidence[sublayer]`` why. ``growth`` is
     ``growth_measure`` (the relative change, or an absolute RMS when ``h_0 = 0``).
-    ``converged`` is True when every statistic is finite and defined and nothing
-    contradicts what was measured; ``reason`` says what is not ("" when converged).
+    ``converged`` is True when every increment and the growth are finite, no increment is
+    zero (its cosines would be undefined) and nothing contradicts what was measured (a
+    group with one visit has no cross-visit cosine by definition: NaN, not a failure);
+    ``reason`` says what is not ("" when converged).
     """
 
     visits: list[Visit]
@@ -125,11 +130,6 @@ class Increments:
             why.append(
                 f"the increment of {v.sublayer!r} at r={v.r} is {what}, so its cosines are "
                 "undefined"
-            )
-        if not any(len(c) > 1 for c in self.cos):
-            why.append(
-                f"no group has two visits (grouping {self.grouping!r}), so there is no "
-                "cross-visit cosine or ratio"
             )
         return why
 
@@ -801,8 +801,9 @@ class Growth:
         }
 
     def __str__(self) -> str:
+        Ns = sorted(int(n) for n in self.rows["N"].unique())
         lines = [
-            f"growth slope {self.slope:.3f} over N = {sorted(self.rows['N'].unique())}",
+            f"growth slope {self.slope:.3f} over N = {Ns}",
             f"mean off-diagonal cosine at largest N: {self.mean_offdiag_cos:.3f}",
             f"regime: {self.regime}",
             _converged_line(self.converged, self.reason),

@@ -306,8 +306,8 @@ def test_outputs_edited_in_place_after_the_visit_are_cloned_unless_copy_is_false
     model, x = make(InplaceModel, R=3), randn(2, 6)
     with torch.no_grad():
         first = model.block(x)  # the block's output before the caller's y.mul_(0.5)
-    kept = lp.increments(model, x)
-    refs = lp.increments(model, x, copy=False)
+    kept = lp.increments(model, x, increment="output")  # (the block returns the state)
+    refs = lp.increments(model, x, increment="output", copy=False)
     assert kept.inc_norm[0] == pytest.approx(float(first.norm()), rel=1e-12)
     assert refs.inc_norm[0] == pytest.approx(0.5 * float(first.norm()), rel=1e-12)
     assert kept.hN_source == "forward output"  # the model returns the (B, d) stream
