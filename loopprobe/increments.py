@@ -420,6 +420,7 @@ class _Collector:
         self.size: dict[str, list[tuple[int, str | None, float, float]]] = {}
         self.prev: tuple[Visit, torch.Tensor, torch.Tensor] | None = None
         self.h0: torch.Tensor | None = None
+        self.shapes: dict[str, tuple[int, tuple]] = {}
         self.last: tuple[torch.Tensor, int, int] | None = None
         self.measured: dict[str, str] = {}
         self.evidence: dict[str, str] = {}
@@ -441,6 +442,11 @@ class _Collector:
     def leave(self, v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
         rec = VisitRecord(v, args, kwargs, out)
         x = _stream_in(rec, self.call)
+        first = self.shapes.setdefault(v.sublayer, (v.r, tuple(x.shape)))
+        if first[1] != tuple(x.shape):
+            _routing(
+                self.call, v.sublayer, [f"r={first[0]}: {first[1]}", f"r={v.r}: {tuple(x.shape)}"]
+            )
         self._chain_evidence(x.detach())
         if callable(self.increment):
             z = self.increment(rec)
@@ -538,6 +544,8 @@ class _Collector:
             kind = next(iter(kinds))
             return kind, _CHAIN[kind]
         sizes = {k for _, k, _, _ in self.size[sublayer]}
+        if all(rs == math.inf for _, _, rs, _ in self.size[sublayer]):
+            return "state", "every visit reads a zero stream, so output - input = output"
         if len(sizes) == 1 and None not in sizes:
             kind = sizes.pop()
             return kind, _SIZE[kind]
@@ -571,16 +579,18 @@ def _caller_rng(model: nn.Module) -> Iterator[None]:
 
 
 def _same_shapes(call: str, group: str, visits: list[Visit], incs: list[torch.Tensor]) -> None:
-    shapes = {tuple(z.shape) for z in incs}
-    if len(shapes) > 1:
+    if len({tuple(z.shape) for z in incs}) > 1:
         pairs = list(zip(visits, incs, strict=True))[:4]
-        seen = ", ".join(f"{v.sublayer} r={v.r}: {tuple(z.shape)}" for v, z in pairs)
-        raise ValueError(
-            f"{call}: the visits of group {group!r} read streams of different shapes ({seen}, "
-            "...), e.g. a router sends different tokens to each visit; increments of different "
-            "tokens have no cosine. Pass increment=lambda rec: ... returning each increment "
-            "scattered back to a fixed shape, or group_by='sublayer' for visits of one shape"
-        )
+        _routing(call, group, [f"{v.sublayer} r={v.r}: {tuple(z.shape)}" for v, z in pairs])
+
+
+def _routing(call: str, group: str, seen: list[str]) -> None:
+    raise ValueError(
+        f"{call}: the visits of {group!r} read streams of different shapes "
+        f"({', '.join(seen)}, ...), e.g. a router sends different tokens to each visit; "
+        "increments of different tokens have no cosine. Pass increment=lambda rec: ... "
+        "returning each increment scattered back to a fixed shape"
+    )
 
 
 def _hidden(model: nn.Module, inputs: Any) -> Any:
