@@ -418,9 +418,9 @@ def test_auto_measures_output_minus_input_when_the_block_returns_the_state():
     with torch.no_grad():
         zs = _deltas(model.steps, model.inp(x))
     inc = lp.increments(lp.attach(model, ["steps.*"]), x)
+    np.testing.assert_allclose(inc.cos[0], _cos(zs), atol=1e-10)
     assert inc.groups == ["steps.*"] and inc.increment == "output - input"
     assert "next visit reads its output" in inc.evidence["steps.0"]
-    np.testing.assert_allclose(inc.cos[0], _cos(zs), atol=1e-10)
     assert inc.converged and inc.reason == ""
 
 
@@ -504,8 +504,8 @@ def test_zero_initial_state_reports_the_absolute_change_and_says_so():
         zs = _deltas([model.cell] * 4, torch.zeros_like(x), lambda b, h: b(h, x))
     hN = sum(zs)
     inc = lp.increments(model, x)
-    assert inc.h0_rms == 0.0 and inc.growth_measure.startswith("RMS(h_N - h_0)")
     assert inc.growth == pytest.approx(float(hN.pow(2).mean().sqrt()), rel=1e-12)
+    assert inc.h0_rms == 0.0 and inc.growth_measure.startswith("RMS(h_N - h_0)")
     assert inc.converged and "RMS(h_N - h_0) (h_0 = 0" in str(inc)
     np.testing.assert_allclose(inc.cos[0], _cos(zs), atol=1e-10)
     # at N = 1 the only visit reads h_0 = 0: output and output - input coincide
