@@ -549,7 +549,10 @@ class _Collector:
         if len(sizes) == 1 and None not in sizes:
             kind = sizes.pop()
             return kind, _SIZE[kind]
-        return None, "no visit reads its output or input + output"
+        return None, (
+            "no visit reads its output or input + output (is the output transformed "
+            "before it is added?)"
+        )
 
     def _undecided(self, sublayer: str, why: str) -> None:
         r, _, rs, ry = self.size[sublayer][0]

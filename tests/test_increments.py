@@ -281,6 +281,7 @@ def test_cli_increments_json_has_slope_cosine_regime_and_rows(capsys):
     assert {"growth_slope", "mean_offdiag_cos", "regime", "per_N", "rows"} <= set(out)
     assert len(out["rows"]) == 3 * 2 and [r["N"] for r in out["per_N"]] == [1, 2, 4]
     assert abs(out["growth_slope"]) < 0.2
+    assert out["converged"] is True and out["reason"] == ""
 
 
 def test_cli_increments_table_and_bad_values(capsys, tmp_path):
@@ -289,6 +290,7 @@ def test_cli_increments_table_and_bad_values(capsys, tmp_path):
                  "--out", str(tmp_path)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0 and "growth slope" in text and "regime:" in text
+    assert "converged: yes" in text
     assert (tmp_path / "increments.csv").exists() and (tmp_path / "growth.png").exists()
     with pytest.raises(SystemExit):
         main(["increments", "--residual", "1/M"])

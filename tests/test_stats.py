@@ -61,9 +61,9 @@ def _definitions(pattern: str) -> list[str]:
 @pytest.mark.parametrize(
     "pattern",
     [
-        r"def _?cos(ine)?(_matrix)?\(",  # a cosine-from-Gram helper
+        r"^def _?cos(ine)?(_matrix)?\(",  # a module-level cosine-from-Gram helper
         r"polyfit\(\s*(np\.)?log",  # a log-log least-squares slope
-        r"def (_count|count|_check_int)\(",  # an integer-argument validator
+        r"^def (_count|count|_check_int)\(",  # an integer-argument validator
     ],
 )
 def test_each_shared_helper_is_defined_once_in_the_package(pattern):
