@@ -836,7 +836,7 @@ def growth_sweep(
     seeds: Sequence[int] = (0, 1, 2),
     *,
     forward: Forward | None = None,
-    increment: str | IncrementFn = "output",
+    increment: str | IncrementFn = "auto",
     group_by: str = "auto",
     sublayers: Sequence[str] | None = None,
     cache_dir: str | None = None,
