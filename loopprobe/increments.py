@@ -465,7 +465,7 @@ class _Collector:
     def _store(self, v: Visit, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         nx, ny, ns = (float(torch.linalg.vector_norm(t)) for t in (x, y, y - x))
         kind = "state" if ns <= nx / 2 else "increment" if ny <= nx / 2 else None
-        rs, ry = (ns / nx, ny / nx) if nx > 0 else (math.inf, math.inf)
+        rs, ry = (math.inf, math.inf) if nx == 0 else (ns / nx, ny / nx)  # NaN if not finite
         self.size.setdefault(v.sublayer, []).append((v.r, kind if nx > 0 else None, rs, ry))
         self.prev = (v, y, x + y)
         mode = self._mode(v.sublayer)
@@ -544,6 +544,8 @@ class _Collector:
             kind = next(iter(kinds))
             return kind, _CHAIN[kind]
         sizes = {k for _, k, _, _ in self.size[sublayer]}
+        if any(math.isnan(rs) or math.isnan(ry) for _, _, rs, ry in self.size[sublayer]):
+            return "increment", "undecidable (non-finite output), measured as output"
         if all(rs == math.inf for _, _, rs, _ in self.size[sublayer]):
             return "state", "every visit reads a zero stream, so output - input = output"
         if len(sizes) == 1 and None not in sizes:
