@@ -534,7 +534,9 @@ class _Collector:
             self.measured[s] = _MEASURED[mode]
 
     def _evidence(self, sublayer: str) -> tuple[str | None, str]:
-        """``("state" | "increment" | None, why)`` from the chain, else from the sizes."""
+        """``("state" | "increment" | "unknown" | None, why)`` from the chain, else the sizes.
+
+        ``None``: ambiguous; ``"unknown"``: not finite, nothing to decide on."""
         kinds = self.chain.get(sublayer, {})
         if len(kinds) == 2:
             return None, "the forward pass says both: " + ", ".join(
@@ -545,7 +547,7 @@ class _Collector:
             return kind, _CHAIN[kind]
         sizes = {k for _, k, _, _ in self.size[sublayer]}
         if any(math.isnan(rs) or math.isnan(ry) for _, _, rs, ry in self.size[sublayer]):
-            return "increment", "undecidable (non-finite output), measured as output"
+            return "unknown", "a non-finite output (measured as output; the result is non-finite)"
         if all(rs == math.inf for _, _, rs, _ in self.size[sublayer]):
             return "state", "every visit reads a zero stream, so output - input = output"
         if len(sizes) == 1 and None not in sizes:
