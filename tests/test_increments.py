@@ -532,3 +532,15 @@ def test_growth_sweep_results_carry_converged_and_reason(growths):
     assert g.converged and g.reason == "" and "converged: yes" in str(g)
     assert g.summary()["converged"] is True and g.to_frame().attrs["reason"] == ""
     assert g.rows["converged"].all() and set(g.rows["increment"]) == {"output"}
+
+
+def test_auto_keeps_undecided_outputs_from_in_place_edits_like_delta_does():
+    from thirdparty_models import InplaceModel
+
+    model, x = make(InplaceModel, R=3), randn(2, 6)
+    auto, delta = lp.increments(model, x), lp.increments(model, x, increment="delta")
+    assert auto.measured == {"block": "output - input"}
+    with torch.no_grad():
+        first = model.block(x) - x  # at the visit's return, before the caller's y.mul_(0.5)
+    assert auto.inc_norm[0] == pytest.approx(float(first.norm()), rel=1e-12)
+    np.testing.assert_array_equal(auto.inc_norm, delta.inc_norm)
