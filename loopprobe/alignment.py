@@ -22,12 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 from torch.func import jvp
 
+from loopprobe._stats import cosine_matrix, loglog_slope
 from loopprobe.autodiff import transform_safe
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.updates import LossFn, Updates, per_visit_updates
@@ -184,10 +184,10 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
             kappa = visit_kappa(tied_U.value, G_tied, list(mine.U_norm), list(mine.G_norm))
             if ups.G is not None:
                 gram = ups.gram(j)
-                gram_G[name], cos_G[name] = gram, _cosine(gram)
+                gram_G[name], cos_G[name] = gram, cosine_matrix(gram)
             if j in sens.UTw:
                 g2 = sens.UTw[j] @ sens.UTw[j].T
-                gram_UTw[name], cos_UTw[name] = g2, _cosine(g2)
+                gram_UTw[name], cos_UTw[name] = g2, cosine_matrix(g2)
             kappas.append((role, kappa))
             row.update(
                 kappa=kappa,
@@ -264,11 +264,6 @@ def _kappa_checks(sub: pd.DataFrame) -> tuple[list[bool], dict[int, str]]:
         else:
             ok.append(True)
     return ok, problems
-
-
-def _cosine(gram: torch.Tensor) -> torch.Tensor:
-    d = gram.diagonal().clamp_min(0).sqrt()
-    return gram / (d[:, None] * d[None, :])
 
 
 def _adjacent(cos: torch.Tensor) -> float:
@@ -509,8 +504,7 @@ def bound_sweep(
             chk = bound_check(probe, x, loss_fn, **kwargs)
         rows.append({"R": R, **chk.to_dict()})
     frame = pd.DataFrame(rows)
-    logR = np.log(frame.R.to_numpy(dtype=float))
-    fit = lambda col: float(np.polyfit(logR, np.log(frame[col].to_numpy(dtype=float)), 1)[0])  # noqa: E731
+    fit = lambda col: loglog_slope(frame.R, frame[col])  # noqa: E731
     return BoundSweep(
         frame=frame,
         slope=fit("dF_true"),

@@ -4,10 +4,13 @@ A visit's *increment* is what its residual branch adds to the stream, with the m
 scaling (pre-norm ``h <- h + eps f(Norm(h))``: the increment is ``eps f(Norm(h))``). It is
 read from the visit recording of :meth:`loopprobe.Probe.record` (no second hook layer):
 
-- ``increment="output"`` (default): the sublayer's output *is* the increment (the
-  reference models' ``blocks[k].attn`` / ``.mlp`` branch modules);
+- ``increment="output"``: the sublayer's output *is* the increment (the reference
+  models' ``blocks[k].attn`` / ``.mlp`` branch modules);
 - ``increment="delta"``: the sublayer returns the updated stream (a whole residual block
-  ``x + f(x)``); the increment is ``output - input``;
+  ``x + f(x)``, most third-party loop bodies); the increment is ``output - input``;
+- ``increment="auto"`` (default): one of the two per sublayer, read off the forward pass
+  (does the next visit read the output, or input + output?); the result's ``measured``
+  and ``evidence`` say which and why;
 - a callable ``increment(record) -> Tensor`` for anything else (``record`` is a
   :class:`loopprobe.VisitRecord` with ``args``, ``kwargs`` and ``output``).
 
@@ -45,8 +48,10 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from loopprobe import plots
+from loopprobe._increment_record import Collector, IncrementFn, caller_rng, refuse_routing
+from loopprobe._stats import cosine_matrix, loglog_slope
 from loopprobe.sweeps import grid, sweep
-from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach, call_model
+from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach
 
 __all__ = [
     "Growth",
@@ -57,8 +62,10 @@ __all__ = [
     "regime_name",
 ]
 
-IncrementFn = Callable[[VisitRecord], torch.Tensor]
 GROUPINGS = ("auto", "sublayer", "role")
+MODES = ("auto", "output", "delta")
+GROWTH_RELATIVE = "||h_N - h_0|| / ||h_0||"
+GROWTH_ABSOLUTE = "RMS(h_N - h_0) (h_0 = 0, so no relative change)"
 
 
 # --------------------------------------------------------------------------- result
@@ -72,6 +79,13 @@ class Increments:
     cosine matrix of group g's increments in visit order, ``ratio[g]`` its
     ``||sum inc||^2 / sum ||inc||^2``. ``stream_rms[i]`` is the RMS of the stream after
     visit i (as the next visit reads it; the final state for the last visit).
+    ``measured[sublayer]`` is what was taken as its increment (``"output"``,
+    ``"output - input"`` or ``"callable"``) and ``evidence[sublayer]`` why. ``growth`` is
+    ``growth_measure`` (the relative change, or an absolute RMS when ``h_0 = 0``).
+    ``converged`` is True when every increment and the growth are finite, no increment is
+    zero (its cosines would be undefined) and nothing contradicts what was measured (a
+    group with one visit has no cross-visit cosine by definition: NaN, not a failure);
+    ``reason`` says what is not ("" when converged).
     """
 
     visits: list[Visit]
@@ -87,7 +101,42 @@ class Increments:
     hN_rms: float
     growth: float
     hN_source: str
+    growth_measure: str = GROWTH_RELATIVE
+    measured: dict[str, str] = field(default_factory=dict)
+    evidence: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
     attrs: dict = field(default_factory=dict)
+
+    @property
+    def converged(self) -> bool:
+        return not self._not_converged()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self._not_converged())
+
+    def _not_converged(self) -> list[str]:
+        why = list(self.problems)
+        for name in ("growth", "hN_rms", "h0_rms"):
+            if not math.isfinite(getattr(self, name)):
+                why.append(f"{name} is {getattr(self, name)}")
+        bad = [k for k in range(len(self.visits)) if not np.isfinite(self.inc_norm[k])]
+        zero = [k for k in range(len(self.visits)) if self.inc_norm[k] == 0]
+        for k, what in [*((k, "non-finite") for k in bad), *((k, "zero") for k in zero)]:
+            v = self.visits[k]
+            why.append(
+                f"the increment of {v.sublayer!r} at r={v.r} is {what}, so its cosines are "
+                "undefined"
+            )
+        return why
+
+    @property
+    def increment(self) -> str:
+        """What was measured as the increment: one kind, or ``mixed (...)`` per sublayer."""
+        kinds = set(self.measured.values())
+        if len(kinds) == 1:
+            return kinds.pop()
+        return "mixed (" + ", ".join(f"{s}: {m}" for s, m in self.measured.items()) + ")"
 
     @property
     def mean_offdiag_cos(self) -> float:
@@ -115,6 +164,7 @@ class Increments:
                     "module": v.module,
                     "group": self.groups[g],
                     "k": pos[g],
+                    "measured": self.measured.get(v.sublayer, ""),
                     "inc_norm": float(self.inc_norm[k]),
                     "inc_rms": float(self.inc_rms[k]),
                     "stream_rms": float(self.stream_rms[k]),
@@ -155,8 +205,27 @@ class Increments:
             "h0_rms": self.h0_rms,
             "hN_rms": self.hN_rms,
             "growth": self.growth,
+            "growth_measure": self.growth_measure,
             "hN_source": self.hN_source,
+            "increment": self.increment,
+            "measured": dict(self.measured),
+            "evidence": dict(self.evidence),
+            "converged": self.converged,
+            "reason": self.reason,
         }
+
+    def __str__(self) -> str:
+        lines = [f"Increments of {len(self.visits)} visits, grouped by {self.grouping}:"]
+        for name, c, ratio in zip(self.groups, self.cos, self.ratio, strict=True):
+            lines.append(
+                f"  {name}: {len(c)} visits, mean off-diagonal cos {_offdiag_mean(c):.3f}, "
+                f"ratio {ratio:.3g}"
+            )
+        for s, m in self.measured.items():
+            lines.append(f"  {s}: measured {m} ({self.evidence.get(s, '')})")
+        lines.append(f"growth {self.growth_measure} = {self.growth:.4g} (h_N: {self.hN_source})")
+        lines.append(_converged_line(self.converged, self.reason))
+        return "\n".join(lines)
 
     def heatmap(self, max_panels: int = 4) -> Figure:
         """Seaborn heatmaps of the increment cosine matrices (one panel per group)."""
@@ -169,6 +238,10 @@ class Increments:
     def stream_plot(self) -> Figure:
         """Line plot: stream RMS after each visit (execution order), a marker per group."""
         return stream_plot(self.to_frame())
+
+
+def _converged_line(converged: bool, reason: str) -> str:
+    return "converged: yes" if converged else f"converged: NO ({reason})"
 
 
 def stream_plot(df: pd.DataFrame, *, x: str = "i", y: str = "stream_rms") -> Figure:
@@ -197,7 +270,7 @@ def increments(
     inputs: Any,
     *,
     forward: Forward | None = None,
-    increment: str | IncrementFn = "output",
+    increment: str | IncrementFn = "auto",
     group_by: str = "auto",
     sublayers: Sequence[str] | None = None,
     copy: bool = True,
@@ -210,54 +283,86 @@ def increments(
     ``forward``, a model with a ``hidden`` method (the reference-model interface) is run
     through ``model.hidden(inputs)``; otherwise ``h_N`` is the last visit's input plus its
     increment (exact for additive pre-norm residuals; ``hN_source`` says which was used).
-    ``h_0`` is the first visit's input. ``group_by``: ``"sublayer"`` (the visits of one
-    physical sublayer), ``"role"`` (sublayers whose names agree up to their integer
-    indices, e.g. ``blocks.*.attn``: the unrolled positions of an untied stack) or
-    ``"auto"`` (``sublayer`` if any sublayer is visited twice, else ``role``).
+    ``h_0`` is the first visit's input; when it is zero (a zero-initialised state) the
+    relative change is undefined and ``growth`` is the RMS of ``h_N - h_0`` instead
+    (``growth_measure`` says which).
+
+    ``increment`` says what a visit adds to the stream (the *stream* is the visit's first
+    floating-point tensor argument shaped like its output, positional or keyword):
+    ``"output"`` (a residual branch), ``"delta"`` (``output - input``: a block returning
+    the updated stream), a callable ``record -> Tensor``, or ``"auto"`` (default), decided
+    per sublayer from the forward pass itself: when the next visit (or the model output)
+    reads this visit's output, the sublayer returns the state and ``delta`` is measured;
+    when it reads input + output, ``output`` is. Without such a chain, by size:
+    ``||output - input|| <= ||input|| / 2`` at every visit is a state, ``||output|| <=
+    ||input|| / 2`` an increment; anything else is a ValueError asking for the choice.
+    An explicit choice that the chain contradicts is measured as asked but makes the
+    result ``converged=False`` with the reason. ``measured`` and ``evidence`` record,
+    per sublayer, what was measured and why.
+
     Nothing but the increments (cloned unless ``copy=False``, which is faster but only
     right for models that do not edit a branch output in place after it returns), the
     first input and per-visit stream norms is kept: one visit session of the probe, no
-    full recording.
-    Reference: DESIGN.md §3.
+    full recording. The caller's RNG state is restored afterwards (dropout in training
+    mode draws from a fork). Reference: DESIGN.md §3.
     """
     call = "increments"
     if group_by not in GROUPINGS:
         raise ValueError(f"{call}: group_by={group_by!r}; choose one of {list(GROUPINGS)}")
-    inc_fn = _increment_fn(increment, call)
+    if not (callable(increment) or increment in MODES):
+        raise ValueError(
+            f"{call}: increment={increment!r}; use 'auto' (decided from the forward pass), "
+            "'output' (the sublayer returns the increment), 'delta' (it returns the updated "
+            "stream) or a callable record -> Tensor"
+        )
     probe = model if isinstance(model, Probe) else attach(_module(model, call), sublayers)
     if forward is None and callable(getattr(probe.model, "hidden", None)):
         forward = _hidden
-    visits, h0, x_rms, incs, out, last = _collect(probe, inputs, forward, inc_fn, increment, copy)
+    with caller_rng(probe.model):
+        col = Collector(increment, copy, call)
+        out = col.run(probe, inputs, forward)
+    visits, h0, incs = col.visits, col.h0, col.incs
     if isinstance(out, torch.Tensor) and out.shape == h0.shape:
         hN, source = out.detach(), "forward output"
     else:
-        x, z, version = last
+        x, version, k = col.last
         if x._version != version:
             raise ValueError(
                 f"{call}: the stream read by the last visit ({visits[-1].sublayer!r}) was "
                 "modified in place afterwards, so h_N cannot be rebuilt as input + increment; "
                 "pass forward=lambda m, x: ... returning the final state"
             )
-        hN, source = x.detach() + z, "last visit input + increment"
+        hN, source = x.detach() + incs[k], "last visit input + increment"
+        if hN.shape != h0.shape:
+            raise ValueError(
+                f"{call}: the first visit reads a stream of shape {tuple(h0.shape)} but the "
+                f"last one {tuple(x.shape)}, so ||h_N - h_0|| is undefined; pass "
+                "forward=lambda m, x: ... returning the final state shaped like h_0"
+            )
     grouping, keys = _group_keys(visits, group_by)
     names = list(dict.fromkeys(keys))
     group_of = [names.index(k) for k in keys]
     with torch.no_grad():
         n = h0.numel()
         # the stream after visit i is what visit i+1 read (its RMS taken at call time)
-        stream_rms = torch.stack([*x_rms[1:], torch.linalg.vector_norm(hN) / math.sqrt(n)])
+        stream_rms = torch.stack([*col.x_rms[1:], torch.linalg.vector_norm(hN) / math.sqrt(n)])
         h0_norm = float(torch.linalg.vector_norm(h0.double()))
         dist = float(torch.linalg.vector_norm((hN - h0).double()))
         cos, ratio = [], []
         inc_norm = np.zeros(len(incs))
-        for g in range(len(names)):
+        for g, name in enumerate(names):
             idx = [k for k in range(len(keys)) if group_of[k] == g]
+            _same_shapes(call, name, [visits[k] for k in idx], [incs[k] for k in idx])
             Zg = torch.stack([incs[k].reshape(-1) for k in idx])
-            gram = (Zg @ Zg.T).double().cpu().numpy()  # dot products in the model's dtype
-            inc_norm[idx] = np.sqrt(np.clip(np.diag(gram), 0.0, None))
-            cos.append(_cosine(gram))
-            tr = float(np.trace(gram))
-            ratio.append(float(gram.sum() / tr) if tr > 0 else math.nan)
+            gram = (Zg @ Zg.T).double()  # dot products in the model's dtype
+            inc_norm[idx] = gram.diagonal().clamp_min(0).sqrt().cpu().numpy()
+            cos.append(cosine_matrix(gram).cpu().numpy())
+            tr = float(gram.trace())
+            ratio.append(float(gram.sum()) / tr if tr > 0 else math.nan)
+    if h0_norm > 0:
+        growth, measure = dist / h0_norm, GROWTH_RELATIVE
+    else:
+        growth, measure = dist / math.sqrt(n), GROWTH_ABSOLUTE
     return Increments(
         visits=visits,
         grouping=grouping,
@@ -268,43 +373,21 @@ def increments(
         stream_rms=stream_rms.double().cpu().numpy(),
         cos=cos,
         ratio=ratio,
-        h0_rms=h0_norm / math.sqrt(h0.numel()),
+        h0_rms=h0_norm / math.sqrt(n),
         hN_rms=_rms(hN),
-        growth=dist / h0_norm if h0_norm > 0 else math.inf,
+        growth=growth,
         hN_source=source,
+        growth_measure=measure,
+        measured=col.measured,
+        evidence=col.evidence,
+        problems=col.problems,
     )
 
 
-def _collect(probe: Probe, inputs: Any, forward: Forward | None, inc_fn, increment, copy: bool):
-    """One forward through the probe's visit session, keeping per visit only what is needed.
-
-    At each visit's return: the RMS of the stream it read, its increment (a clone when
-    ``copy``, so later in-place edits cannot change it), a clone of the first visit's
-    input (``h_0``), and the last visit's input with its version counter (``h_N`` falls
-    back to input + increment and must detect an in-place edit of that input).
-    """
-    probe.sublayers(inputs, forward=forward)  # discovery (once per probe) needs the inputs
-    visits, x_rms, incs = [], [], []
-    keep: dict[str, Any] = {}
-
-    def leave(v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
-        rec = VisitRecord(v, args, kwargs, out)
-        x = _stream_in(rec, "increments")
-        z = inc_fn(rec)
-        _check_increment(rec, x, z, increment, "increments")
-        if not visits:
-            keep["h0"] = x.detach().clone()
-        visits.append(v)
-        x_rms.append(torch.linalg.vector_norm(x.detach()) / math.sqrt(x.numel()))
-        fresh = increment == "delta"  # out - x is a new tensor nobody else holds
-        incs.append(z.detach().clone() if copy and not fresh else z.detach())
-        keep["last"] = (x, incs[-1], x._version)
-
-    with torch.no_grad(), probe.session(None, leave, call="increments"):
-        out = call_model(probe.model, inputs, forward)
-    if not visits:
-        raise ValueError("increments: the forward pass made no visit to any sublayer; check inputs")
-    return visits, keep["h0"], x_rms, incs, out, keep["last"]
+def _same_shapes(call: str, group: str, visits: list[Visit], incs: list[torch.Tensor]) -> None:
+    if len({tuple(z.shape) for z in incs}) > 1:
+        pairs = list(zip(visits, incs, strict=True))[:4]
+        refuse_routing(call, group, [f"{v.sublayer} r={v.r}: {tuple(z.shape)}" for v, z in pairs])
 
 
 def _hidden(model: nn.Module, inputs: Any) -> Any:
@@ -315,52 +398,6 @@ def _module(model: Any, call: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{call}: expected an nn.Module or an lp.Probe, got {type(model).__name__}")
     return model
-
-
-def _increment_fn(increment: str | IncrementFn, call: str) -> IncrementFn:
-    if increment == "output":
-        return lambda v: v.output
-    if increment == "delta":
-        return lambda v: v.output - v.args[0] if isinstance(v.output, torch.Tensor) else v.output
-    if callable(increment):
-        return increment
-    raise ValueError(
-        f"{call}: increment={increment!r}; use 'output' (the sublayer returns the increment), "
-        "'delta' (it returns the updated stream) or a callable record -> Tensor"
-    )
-
-
-_HOW = (
-    "point the probe at the residual branch whose output is the increment as added to the "
-    "stream, e.g. lp.attach(model, sublayers=['blocks.*.attn', 'blocks.*.mlp']), pass "
-    "increment='delta' if the sublayer returns the updated stream x + f(x), or "
-    "increment=lambda rec: ... to pick the tensor from rec.args/rec.output"
-)
-
-
-def _stream_in(v: VisitRecord, call: str) -> torch.Tensor:
-    x = v.args[0] if v.args else next(iter(v.kwargs.values()), None)
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise ValueError(
-            f"{call}: visit r={v.r} of sublayer {v.sublayer!r} (module {v.module!r}) has no "
-            f"floating-point tensor input to take as the residual stream; {_HOW}"
-        )
-    return x
-
-
-def _check_increment(v: VisitRecord, x: torch.Tensor, z: Any, increment: Any, call: str) -> None:
-    if not isinstance(z, torch.Tensor):
-        raise ValueError(
-            f"{call}: the increment of sublayer {v.sublayer!r} (module {v.module!r}) is a "
-            f"{type(z).__name__}, not a tensor (increment={increment!r}); {_HOW}"
-        )
-    if z.shape != x.shape:
-        raise ValueError(
-            f"{call}: cannot locate the residual increment of sublayer {v.sublayer!r} "
-            f"(module {v.module!r}): its output has shape {tuple(z.shape)} but the stream it "
-            f"reads has shape {tuple(x.shape)}, so it is not a residual-shaped branch output; "
-            f"{_HOW}"
-        )
 
 
 def _group_keys(visits: list[VisitRecord], group_by: str) -> tuple[str, list[str]]:
@@ -377,14 +414,6 @@ def _group_keys(visits: list[VisitRecord], group_by: str) -> tuple[str, list[str
 def role(name: str) -> str:
     """A sublayer's role: its name with every integer path segment replaced by ``*``."""
     return ".".join("*" if re.fullmatch(r"\d+", part) else part for part in name.split("."))
-
-
-def _cosine(gram: np.ndarray) -> np.ndarray:
-    d = np.sqrt(np.clip(np.diag(gram), 0.0, None))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        c = gram / np.outer(d, d)
-    c[np.outer(d, d) == 0] = np.nan
-    return c
 
 
 def _offdiag_mean(c: np.ndarray) -> float:
@@ -453,6 +482,9 @@ class Growth:
     ``slope`` is the least-squares slope of ``log growth`` on ``log N`` over every
     finite row (seeds pooled); ``slope_per_seed`` fits each seed alone.
     ``mean_offdiag_cos`` and ``mean_ratio`` are the seed means at the largest N.
+    ``converged`` is True when every cell ran, is finite and converged, all cells measure
+    growth the same way, every slope is defined and the regime has a name; ``reason``
+    says what is not ("" when converged).
     """
 
     rows: pd.DataFrame
@@ -463,7 +495,51 @@ class Growth:
     regime: str
     config: dict = field(default_factory=dict)
 
+    @property
+    def converged(self) -> bool:
+        return not self._not_converged()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self._not_converged())
+
+    def _not_converged(self) -> list[str]:
+        rows, why = self.rows, []
+        cell = lambda r: f"N={r['N']} seed={r['seed']}"  # noqa: E731
+        bad = rows[rows["diverged"]]
+        if len(bad):
+            first = bad.iloc[0]
+            why.append(
+                f"{len(bad)} of {len(rows)} cells diverged ({cell(first)}: {first['error']})"
+            )
+        if "converged" in rows:
+            weak = rows[~rows["diverged"] & (rows["converged"] != True)]  # noqa: E712
+            why += [f"{cell(r)}: {r['reason']}" for _, r in weak.head(3).iterrows()]
+            if len(weak) > 3:
+                why.append(f"{len(weak) - 3} more cells not converged")
+        measures = rows.loc[~rows["diverged"], "growth_measure"].dropna().unique()
+        if len(measures) > 1:
+            why.append(
+                f"cells measure growth differently ({', '.join(measures)}): one slope over "
+                "them is meaningless"
+            )
+        if not math.isfinite(self.slope):
+            why.append(
+                "the growth slope is undefined (fewer than two N with positive finite growth)"
+            )
+        nan_seeds = [s for s, v in self.slope_per_seed.items() if not math.isfinite(v)]
+        if nan_seeds:
+            why.append(f"the growth slope of seeds {nan_seeds} is undefined")
+        if (
+            self.regime.startswith("undetermined")
+            or "between" in self.regime
+            or "unknown" in self.regime
+        ):
+            why.append(f"the regime is inconclusive ({self.regime})")
+        return why
+
     def to_frame(self) -> pd.DataFrame:
+        self.rows.attrs.update(self.summary())
         return self.rows
 
     def per_N(self) -> pd.DataFrame:
@@ -488,7 +564,19 @@ class Growth:
             "mean_ratio": self.mean_ratio,
             "regime": self.regime,
             "diverged_rows": int(self.rows["diverged"].sum()),
+            "converged": self.converged,
+            "reason": self.reason,
         }
+
+    def __str__(self) -> str:
+        Ns = sorted(int(n) for n in self.rows["N"].unique())
+        lines = [
+            f"growth slope {self.slope:.3f} over N = {Ns}",
+            f"mean off-diagonal cosine at largest N: {self.mean_offdiag_cos:.3f}",
+            f"regime: {self.regime}",
+            _converged_line(self.converged, self.reason),
+        ]
+        return "\n".join(lines)
 
     def plot(self, **kw: Any) -> Figure:
         hue = "residual" if "residual" in self.rows else None
@@ -503,7 +591,7 @@ def growth_sweep(
     seeds: Sequence[int] = (0, 1, 2),
     *,
     forward: Forward | None = None,
-    increment: str | IncrementFn = "output",
+    increment: str | IncrementFn = "auto",
     group_by: str = "auto",
     sublayers: Sequence[str] | None = None,
     cache_dir: str | None = None,
@@ -541,12 +629,12 @@ def growth_sweep(
 
 
 def _fit(df: pd.DataFrame, config: dict) -> Growth:
-    for col in ("growth", "mean_offdiag_cos", "mean_ratio", "hN_rms"):
+    for col in ("growth", "mean_offdiag_cos", "mean_ratio", "hN_rms", "growth_measure"):
         if col not in df:
             df[col] = math.nan
     ok = df[~df["diverged"]]
-    slope = plots.loglog_slope(ok["N"], ok["growth"])
-    per_seed = {int(s): plots.loglog_slope(g["N"], g["growth"]) for s, g in ok.groupby("seed")}
+    slope = loglog_slope(ok["N"], ok["growth"])
+    per_seed = {int(s): loglog_slope(g["N"], g["growth"]) for s, g in ok.groupby("seed")}
     top = ok[ok["N"] == ok["N"].max()] if len(ok) else ok
     cos = float(top["mean_offdiag_cos"].mean()) if len(top) else math.nan
     ratio = float(top["mean_ratio"].mean()) if len(top) else math.nan
@@ -664,11 +752,11 @@ def _reference_cell(cfg: dict) -> dict:
 
 def _row(inc: Increments) -> dict:
     """A sweep row; only a non-finite state is divergence (one visit has no cosine: NaN)."""
-    row = inc.summary()
+    row = {k: v for k, v in inc.summary().items() if not isinstance(v, dict)}
     bad = [k for k in ("growth", "hN_rms") if not math.isfinite(row[k])]
     row["diverged"] = bool(bad)
     row["error"] = f"non-finite {', '.join(bad)}" if bad else None
     return row
 
 
-_reference_cell.version = 1
+_reference_cell.version = 2

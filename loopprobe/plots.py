@@ -27,6 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from loopprobe import theory
+from loopprobe._stats import loglog_slope
 
 __all__ = [
     "coord_check",
@@ -108,15 +109,6 @@ def _line(ax: Axes, sub: pd.DataFrame, x: str, y: str, **kw) -> None:
         ax.fill_between(
             stats.index, stats["min"], stats["max"], alpha=0.15, color=kw.get("color"), linewidth=0
         )
-
-
-def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
-    """Least-squares slope of log y on log x (NaN with fewer than two positive points)."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    ok = (x > 0) & (y > 0) & np.isfinite(x) & np.isfinite(y)
-    if len(np.unique(x[ok])) < 2:
-        return math.nan
-    return float(np.polyfit(np.log(x[ok]), np.log(y[ok]), 1)[0])
 
 
 def _reference_slope(ax: Axes, xs: np.ndarray, ys: np.ndarray, slope: float, label: str) -> None:

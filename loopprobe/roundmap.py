@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loopprobe._checks import count as _count
+
 Step = Callable[..., torch.Tensor]
 Map = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,7 +78,7 @@ def replay_round(
     module: str,
     *,
     forward: Callable | None = None,
-    state_arg: int = 0,
+    state_arg: int | str = 0,
     input_arg: int | str | None = None,
     round: int = 0,
     rtol: float = 1e-5,
@@ -85,7 +87,8 @@ def replay_round(
 
     One forward is recorded (``lp.attach(model, sublayers=[module]).record(inputs)``,
     loopprobe/visits.py). Call r of ``module`` must map the state of round r (its
-    positional argument ``state_arg``) to the state of round r + 1; this is checked (the
+    argument ``state_arg``: a position, or a keyword for ``block(x=..., h=...)``-style
+    calls) to the state of round r + 1; this is checked (the
     state passed to call r + 1 equals the output of call r to ``rtol``) and a
     ``ValueError`` says so otherwise (e.g. recall or an outer norm applied outside the
     module: name a module that contains the whole round, or write ``step`` yourself).
@@ -119,17 +122,21 @@ def replay_round(
 
     def step(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         args, kwargs = list(rec.args), dict(rec.kwargs)
-        args[state_arg] = h
+        _put(args, kwargs, state_arg, h)
         if input_arg is not None:
-            if isinstance(input_arg, str):
-                kwargs[input_arg] = x
-            else:
-                args[input_arg] = x
+            _put(args, kwargs, input_arg, x)
         with _eval_mode(model):
             return mod(*args, **kwargs)
 
     empty = states[0].new_zeros(0)
     return RoundMap(step, empty if x is None else x, states[0], len(calls))
+
+
+def _put(args: list, kwargs: dict, where: int | str, value: torch.Tensor) -> None:
+    if isinstance(where, str):
+        kwargs[where] = value
+    else:
+        args[where] = value
 
 
 def _chains(out: object, nxt: torch.Tensor, rtol: float) -> bool:
@@ -139,6 +146,10 @@ def _chains(out: object, nxt: torch.Tensor, rtol: float) -> bool:
 
 
 def _replay_arg(call: str, args: tuple, kwargs: dict, where: int | str) -> torch.Tensor:
+    if not isinstance(where, (int, str)) or isinstance(where, bool):
+        raise TypeError(
+            f"{call}: an argument is named by its position (int) or keyword (str), got {where!r}"
+        )
     value = kwargs.get(where) if isinstance(where, str) else (
         args[where] if -len(args) <= where < len(args) else None
     )  # fmt: skip
@@ -204,12 +215,6 @@ def _rel(num: torch.Tensor, den: torch.Tensor) -> float:
 def _positive(call: str, name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{call}: {name} must be a number > 0, got {value!r}")
-
-
-def _count(call: str, name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{call}: {name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 # ------------------------------------------------------------------------- JVP plumbing

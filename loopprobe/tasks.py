@@ -18,6 +18,8 @@ import sysconfig
 
 import torch
 
+from loopprobe._checks import count as _check_int
+
 __all__ = [
     "STDLIB_FILES",
     "linear_regression",
@@ -53,12 +55,6 @@ def _check_generator(call: str, generator: object) -> torch.Generator:
             "pass generator=torch.Generator().manual_seed(0)"
         )
     return generator
-
-
-def _check_int(call: str, name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{call}: {name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 # -------------------------------------------------------------------------- LM batches

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
+
+from loopprobe._checks import count as _count
 
 __all__ = [
     "ALLOWED_NORMS",
@@ -45,15 +47,6 @@ _UNSCALED = ("pre", "post", "none")
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _count(call: str, name: str, value: object, minimum: int = 1) -> int:
-    """An integer count ``>= minimum`` (bools rejected), or a ValueError/TypeError."""
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{call}: {name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{call}: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _real(call: str, name: str, value: object, *, low: float, strict: bool = False) -> float:

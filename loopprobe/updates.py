@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from loopprobe._stats import cosine_matrix
 from loopprobe.visits import Forward, Probe, Visit, call_model, seeded
 
 LossFn = Any  # Callable[[output, inputs], scalar Tensor]
@@ -76,7 +77,7 @@ class Updates:
 
     def cosine(self, j: int, *, visible_only: bool = True) -> torch.Tensor:
         """Cosine matrix of the visit updates (NaN where an update is zero)."""
-        return _cosine(self.gram(j, visible_only=visible_only))
+        return cosine_matrix(self.gram(j, visible_only=visible_only))
 
     def to_frame(self) -> pd.DataFrame:
         rows = []
@@ -371,11 +372,6 @@ def _sgd(raw, tied, params, opt, states) -> tuple[torch.Tensor, float, int]:
     if buf is None or group["momentum"] == 0:
         return raw, 0.0, 0
     return (1 - group["dampening"]) * raw, float((group["momentum"] * buf).norm()), 1
-
-
-def _cosine(gram: torch.Tensor) -> torch.Tensor:
-    d = gram.diagonal().sqrt()
-    return gram / (d[:, None] * d[None, :])
 
 
 def _dtype(params: list[torch.Tensor]) -> torch.dtype:

@@ -328,6 +328,49 @@ def test_replayed_round_of_a_recorded_block_is_the_models_own_round(recall, inpu
         assert a == pytest.approx(b, rel=1e-5) and a > 0
 
 
+class KeywordCell(torch.nn.Module):
+    """A recurrent cell called with keyword-only arguments, as block(x=..., h=...)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(d, d)
+
+    def forward(self, *, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.w(h) + x)
+
+
+class KeywordRecurrence(torch.nn.Module):
+    def __init__(self, d: int = 4, R: int = 3) -> None:
+        super().__init__()
+        self.R, self.inject, self.cell = R, torch.nn.Linear(d, d), KeywordCell(d)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        x = self.inject(u)
+        h = torch.zeros_like(x)
+        for _ in range(self.R):
+            h = self.cell(x=x, h=h)
+        return h
+
+
+def test_replay_takes_the_state_and_input_as_keyword_arguments():
+    torch.manual_seed(0)
+    model = KeywordRecurrence().double()
+    u = torch.randn(2, 4, dtype=f64, generator=gen(1))
+    h = torch.randn(2, 4, dtype=f64, generator=gen(2))
+    x = model.inject(u).detach()
+    cell = lambda h, x: torch.tanh(model.cell.w(h) + x)  # noqa: E731
+    replay = lp.replay_round(model, u, "cell", state_arg="h", input_arg="x")
+    assert replay.rounds == 3 and torch.equal(replay.h0, torch.zeros(2, 4, dtype=f64))
+    torch.testing.assert_close(replay.x, x, rtol=0, atol=0)
+    torch.testing.assert_close(replay.T(h), cell(h, x), rtol=0, atol=0)
+    x2 = torch.randn(2, 4, dtype=f64, generator=gen(3))  # step substitutes the keyword input
+    torch.testing.assert_close(replay.step(h, x2), cell(h, x2), rtol=0, atol=0)
+    state_only = lp.replay_round(model, u, "cell", state_arg="h")
+    torch.testing.assert_close(state_only.T(h), cell(h, x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="replay_round: .* position \\(int\\) or keyword"):
+        lp.replay_round(model, u, "cell", state_arg=1.5)
+
+
 def test_replay_refuses_calls_that_do_not_chain_into_rounds():
     cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=3, recall="add")
     model = LoopedGPT(cfg, generator=gen(0)).double()

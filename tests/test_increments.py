@@ -255,6 +255,7 @@ def test_a_diverging_cell_is_a_row_with_diverged_true_and_the_fit_skips_it():
     assert list(bad["N"]) == [4] and "non-finite" in bad["error"].iloc[0]
     assert math.isfinite(g.slope)
     assert g.summary()["diverged_rows"] == 1
+    assert not g.converged and g.reason.startswith("1 of 4 cells diverged (N=4 seed=0")
 
 
 def test_a_raising_cell_is_data_too():
@@ -280,6 +281,7 @@ def test_cli_increments_json_has_slope_cosine_regime_and_rows(capsys):
     assert {"growth_slope", "mean_offdiag_cos", "regime", "per_N", "rows"} <= set(out)
     assert len(out["rows"]) == 3 * 2 and [r["N"] for r in out["per_N"]] == [1, 2, 4]
     assert abs(out["growth_slope"]) < 0.2
+    assert out["converged"] is True and out["reason"] == ""
 
 
 def test_cli_increments_table_and_bad_values(capsys, tmp_path):
@@ -288,6 +290,7 @@ def test_cli_increments_table_and_bad_values(capsys, tmp_path):
                  "--out", str(tmp_path)])  # fmt: skip
     text = capsys.readouterr().out
     assert code == 0 and "growth slope" in text and "regime:" in text
+    assert "converged: yes" in text
     assert (tmp_path / "increments.csv").exists() and (tmp_path / "growth.png").exists()
     with pytest.raises(SystemExit):
         main(["increments", "--residual", "1/M"])
@@ -306,8 +309,8 @@ def test_outputs_edited_in_place_after_the_visit_are_cloned_unless_copy_is_false
     model, x = make(InplaceModel, R=3), randn(2, 6)
     with torch.no_grad():
         first = model.block(x)  # the block's output before the caller's y.mul_(0.5)
-    kept = lp.increments(model, x)
-    refs = lp.increments(model, x, copy=False)
+    kept = lp.increments(model, x, increment="output")  # (the block returns the state)
+    refs = lp.increments(model, x, increment="output", copy=False)
     assert kept.inc_norm[0] == pytest.approx(float(first.norm()), rel=1e-12)
     assert refs.inc_norm[0] == pytest.approx(0.5 * float(first.norm()), rel=1e-12)
     assert kept.hN_source == "forward output"  # the model returns the (B, d) stream
@@ -341,3 +344,203 @@ def test_stream_edited_in_place_after_the_last_visit_cannot_give_h_N():
     # stream RMS after visits 0 and 1 = what visits 1 and 2 read, taken at call time
     assert inc.stream_rms[:2] == pytest.approx(rms[1:], rel=1e-12)
     assert inc.stream_rms[2] == pytest.approx(float(h.pow(2).mean().sqrt()), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- what is measured
+
+
+class ZeroInitModel(torch.nn.Module):
+    """A recurrent cell from a zero state, called as cell(h, x): h_0 = 0 (issue 11.8)."""
+
+    def __init__(self, d: int = 6, R: int = 4) -> None:
+        super().__init__()
+        self.R = R
+        self.fc = torch.nn.Linear(d, d)
+        self.cell = Cell(self.fc)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros_like(x)
+        for _ in range(self.R):
+            h = self.cell(h, x)
+        return h
+
+
+class Cell(torch.nn.Module):
+    def __init__(self, fc: torch.nn.Linear) -> None:
+        super().__init__()
+        self.fc = fc
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h + x))
+
+
+class RoutedModel(torch.nn.Module):
+    """Mixture-of-depths style: round r sends only the first S - r tokens through the block."""
+
+    def __init__(self, d: int = 6, R: int = 3) -> None:
+        super().__init__()
+        self.R = R
+        self.block = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.clone()
+        for r in range(self.R):
+            k = h.shape[1] - r
+            h = torch.cat([h[:, :k] + torch.tanh(self.block(h[:, :k])), h[:, k:]], dim=1)
+        return h
+
+
+class GateModel(torch.nn.Module):
+    """A looped per-token gate: its output is (B, S, 1), the stream (B, S, D)."""
+
+    def __init__(self, d: int = 6, R: int = 3) -> None:
+        super().__init__()
+        self.R = R
+        self.gate = torch.nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.R):
+            x = x + torch.sigmoid(self.gate(x)) * x
+        return x
+
+
+def _deltas(blocks, h: torch.Tensor, call=lambda b, h: b(h)) -> list[torch.Tensor]:
+    zs = []
+    with torch.no_grad():
+        for b in blocks:
+            new = call(b, h)
+            zs.append(new - h)
+            h = new
+    return zs
+
+
+def test_auto_measures_output_minus_input_when_the_block_returns_the_state():
+    # an untied stack of whole residual blocks x + f(x), as most third-party code writes it
+    model, x = make(ForLoopModel, K=1, R=6).untied(), randn(3, 5)
+    with torch.no_grad():
+        zs = _deltas(model.steps, model.inp(x))
+    inc = lp.increments(lp.attach(model, ["steps.*"]), x)
+    np.testing.assert_allclose(inc.cos[0], _cos(zs), atol=1e-10)
+    assert inc.groups == ["steps.*"] and inc.increment == "output - input"
+    assert "next visit reads its output" in inc.evidence["steps.0"]
+    assert inc.converged and inc.reason == ""
+
+
+def test_output_on_a_block_that_returns_the_state_is_measured_but_flagged():
+    model, x = make(SharedBlockModel, R=4), randn(3, 6)
+    inc = lp.increments(model, x, increment="output")
+    assert inc.measured == {"block": "output"}
+    assert not inc.converged
+    assert "increment='output' but the next visit reads its output" in inc.reason
+    assert "increment='delta'" in inc.reason and "converged: NO" in str(inc)
+    assert inc.summary()["converged"] is False and inc.to_frame().attrs["reason"] == inc.reason
+
+
+def test_auto_measures_the_output_of_residual_branches():
+    inc = lp.increments(_tiny(R=3), _idx())
+    assert inc.measured == {"blocks.0.attn": "output", "blocks.0.mlp": "output"}
+    assert all("reads input + output" in e for e in inc.evidence.values())
+    assert inc.converged and inc.to_frame().attrs["converged"] is True
+    assert set(inc.to_frame()["measured"]) == {"output"} and "converged: yes" in str(inc)
+
+
+def test_auto_refuses_to_guess_when_the_forward_pass_contradicts_itself():
+    # the first cycle starts from z_H = 0, so low's first output looks like an increment
+    from thirdparty_models import TruncatedModel
+
+    with pytest.raises(ValueError, match=r"cannot tell whether sublayer 'low'.*says both") as e:
+        lp.increments(make(TruncatedModel), randn(3, 6))
+    assert "increment='output'" in str(e.value) and "increment='delta'" in str(e.value)
+    assert lp.increments(make(TruncatedModel), randn(3, 6), increment="delta").converged
+
+
+def test_delta_mode_works_for_keyword_only_calls():
+    from thirdparty_models import KeywordModel
+
+    model, x = make(KeywordModel, R=4), randn(3, 6)
+    zs, h = [], x
+    with torch.no_grad():
+        for r in range(4):
+            new = model.block(hidden=h, scale=1.0 / (r + 1))
+            zs.append(new - h)
+            h = new
+    for mode in ("delta", "auto"):
+        inc = lp.increments(model, x, increment=mode)
+        np.testing.assert_allclose(inc.cos[0], _cos(zs), atol=1e-10)
+        assert inc.growth == pytest.approx(float((h - x).norm() / x.norm()), rel=1e-10)
+
+
+def test_visits_of_different_shapes_are_refused_naming_routing():
+    model, x = make(RoutedModel), randn(2, 5, 6)
+    for mode in ("delta", "auto"):
+        with pytest.raises(
+            ValueError, match=r"different shapes \(r=0: \(2, 5, 6\), r=1: \(2, 4, 6\)"
+        ):
+            lp.increments(model, x, increment=mode)
+
+
+def test_a_b_s_1_output_is_not_broadcast_against_the_b_s_d_stream():
+    probe = lp.attach(make(GateModel), sublayers=["gate"])
+    for mode in ("delta", "auto", "output"):
+        with pytest.raises(ValueError, match=r"shape \(2, 5, 1\).*\(2, 5, 6\).*not broadcast"):
+            lp.increments(probe, randn(2, 5, 6), increment=mode)
+
+
+def test_increments_do_not_advance_the_callers_rng_or_change_the_model():
+    from thirdparty_models import DropoutLoopModel
+
+    model, x = make(DropoutLoopModel, R=3), randn(3, 6)
+    model.train()  # dropout draws from the global RNG
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    lp.increments(model, x, increment="delta")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert model.training
+
+
+def test_zero_initial_state_reports_the_absolute_change_and_says_so():
+    model, x = make(ZeroInitModel, R=4), randn(3, 6)
+    with torch.no_grad():
+        zs = _deltas([model.cell] * 4, torch.zeros_like(x), lambda b, h: b(h, x))
+    hN = sum(zs)
+    inc = lp.increments(model, x)
+    assert inc.growth == pytest.approx(float(hN.pow(2).mean().sqrt()), rel=1e-12)
+    assert inc.h0_rms == 0.0 and inc.growth_measure.startswith("RMS(h_N - h_0)")
+    assert inc.converged and "RMS(h_N - h_0) (h_0 = 0" in str(inc)
+    np.testing.assert_allclose(inc.cos[0], _cos(zs), atol=1e-10)
+    # at N = 1 the only visit reads h_0 = 0: output and output - input coincide
+    g = lp.growth_sweep(
+        lambda N, s: make(ZeroInitModel, R=N), lambda s: x, (1, 2, 4), (0,), sublayers=["cell"]
+    )
+    assert not g.rows["diverged"].any() and math.isfinite(g.slope)
+    assert set(g.rows["growth_measure"]) == {inc.growth_measure}
+
+
+def test_a_zero_increment_makes_the_result_unconverged():
+    model = _tiny(R=3)
+    with torch.no_grad():
+        model.blocks[0].mlp.f.fc2.weight.zero_()
+    inc = lp.increments(model, _idx())
+    assert np.isnan(inc.cos[1]).all() and not inc.converged
+    assert "'blocks.0.mlp' at r=0 is zero, so its cosines are undefined" in inc.reason
+
+
+def test_growth_sweep_results_carry_converged_and_reason(growths):
+    g = growths[("tied", "1/N")]
+    assert g.converged and g.reason == "" and "converged: yes" in str(g)
+    assert g.summary()["converged"] is True and g.to_frame().attrs["reason"] == ""
+    assert g.rows["converged"].all() and set(g.rows["increment"]) == {"output"}
+
+
+def test_auto_keeps_undecided_outputs_from_in_place_edits_like_delta_does():
+    from thirdparty_models import InplaceModel
+
+    model, x = make(InplaceModel, R=3), randn(2, 6)
+    auto, delta = lp.increments(model, x), lp.increments(model, x, increment="delta")
+    assert auto.measured == {"block": "output - input"}
+    with torch.no_grad():
+        first = model.block(x) - x  # at the visit's return, before the caller's y.mul_(0.5)
+    assert auto.inc_norm[0] == pytest.approx(float(first.norm()), rel=1e-12)
+    np.testing.assert_array_equal(auto.inc_norm, delta.inc_norm)

@@ -148,6 +148,7 @@ def _table(r: dict) -> str:
     lines.append(f"regime: {r['regime']}")
     if r["diverged_rows"]:
         lines.append(f"diverged cells: {r['diverged_rows']}")
+    lines.append("converged: yes" if r["converged"] else f"converged: NO ({r['reason']})")
     return "\n".join(lines)
 
 

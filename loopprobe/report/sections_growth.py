@@ -114,9 +114,7 @@ def _increments_user(ctx: Context, inc: Any) -> Result:
         ),
         values=one.summary(),
         notes=[
-            "each looped sublayer's output is taken as its residual increment; if your "
-            "sublayers return the updated stream, call lp.increments(model, inputs, "
-            "increment='delta') from Python"
+            f"{s}: increment measured as {m} ({one.evidence[s]})" for s, m in one.measured.items()
         ],
         figures=[
             Fig(
