@@ -339,7 +339,8 @@ def bound_check(
 
     ``optimizer``: ``"sgd"``, ``"adam"`` or ``"adamw"`` (a fresh ``torch.optim`` optimizer
     with ``lr``), stepping on detached clones, so the model never changes. ``scope``:
-    ``"looped"`` steps only the looped sublayers' parameters (the bound's subject;
+    ``"looped"`` steps only the loop body's parameters (the bound's subject: the
+    sublayers with role ``"body"``, whose kappa_R it uses and whose visits M, M_g count;
     embeddings, norms and heads fixed), ``"all"`` every parameter. Measured: the
     first-order change ``||J dtheta|| / ||F||`` (one JVP) and the true finite change
     ``||F(theta + dtheta) - F(theta)|| / ||F||``. ``alpha``/``beta`` default to
@@ -361,7 +362,9 @@ def bound_check(
         )
     model = probe.model
     if scope == "looped":
-        params = list({id(p): p for g in probe.groups() for p in g.params}.values())
+        groups = probe.groups()
+        body = [g for g in groups if g.sublayer.role == "body"] or groups
+        params = list({id(p): p for g in body for p in g.params}.values())
     else:
         params = [p for p in model.parameters()]
     with torch.enable_grad(), seeded(seed, params[0].device), _restored(model):
@@ -385,7 +388,11 @@ def bound_check(
     F_norm = float(F0.norm())
     dF_first = float(dF.norm()) / F_norm
     dF_true = float((F1 - F0).norm()) / F_norm
-    prediction = report.M_g * report.kappa * (beta / alpha) ** 2
+    # The bound's subject is the loop body (kappa_R's sublayers): count its visits only.
+    rows = report.sublayers
+    rows = rows[rows.role.eq("body")] if rows.role.eq("body").any() else rows
+    M, M_g = int(rows.R.sum()), int(rows.R_g.sum())
+    prediction = M_g * report.kappa * (beta / alpha) ** 2
     roundoff = torch.finfo(F0.dtype).eps / dF_true if dF_true > 0 else float("inf")
     reasons = [report.reason] if not report.converged else []
     if roundoff > 1e-3:
@@ -396,8 +403,8 @@ def bound_check(
         )
     return BoundCheck(
         kappa=report.kappa,
-        M=report.M,
-        M_g=report.M_g,
+        M=M,
+        M_g=M_g,
         alpha=alpha,
         beta=beta,
         lr=lr,
@@ -410,8 +417,8 @@ def bound_check(
         C=dF_true / prediction,
         C_first=dF_first / prediction,
         kappa_bar=report.kappa_bar,
-        prediction_sum=report.M_g * report.kappa_bar * (beta / alpha) ** 2,
-        prediction_M=report.M * report.kappa * (beta / alpha) ** 2,
+        prediction_sum=M_g * report.kappa_bar * (beta / alpha) ** 2,
+        prediction_M=M * report.kappa * (beta / alpha) ** 2,
         dF_roundoff=roundoff,
         converged=not reasons,
         reason="; ".join(reasons),
