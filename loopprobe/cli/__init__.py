@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from typing import NoReturn
@@ -85,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's parser, so the hint names its --help
+        commands = parser._subparsers._group_actions[0].choices if parser._subparsers else {}
+        (commands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -96,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with cwd_on_path():
             return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `loopprobe theory ... | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (ValueError, TypeError) as err:
         if args.debug:
             raise
