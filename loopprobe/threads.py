@@ -1,19 +1,28 @@
-"""Intra-op thread count for probing small models: an opt-in context manager and the rule.
+"""Intra-op thread count for probing: an opt-in context manager and the command line's rule.
 
 Why. Probing a small looped model runs many tiny kernels (a JVP and a VJP per visit per
-power iteration). With two or more intra-op threads, every kernel ends at a barrier where
-the threads wait for each other; when another process holds one of the cores, a waiting
-thread is descheduled for a whole time slice and the run collapses. Measured on a 2-core
-machine with one core kept busy by a busy-loop process (``benchmarks/bench_threads.py``):
-``loopprobe kappa --K 2 --R 4 --norm deeploop`` (d_model 32) is 10-30x slower with two
-threads than with one, while on an idle machine two threads gain nothing at that size.
-Above about ``THRESHOLD`` parameter-tokens (parameters times token positions, about the
-multiply-adds of one forward; LoopedGPT d_model 256, seq 128, batch 8, K=2 is 1.6e9) the
-kernels are large enough that a busy core costs at most about 2x and an idle one pays off.
+power iteration). With two or more intra-op threads every kernel ends at a barrier where
+the threads wait for each other; when another process holds a core, a waiting thread is
+descheduled for a time slice and the run collapses. Measured on a 2-core machine with one
+core kept busy by a busy-loop process (``benchmarks/bench_threads.py``, a shared machine
+with a load average of about 8 during the run): ``loopprobe kappa --K 2 --R 4 --norm
+deeploop --max-iter 20`` (d_model 32) took over 240 s with two threads and 71 s with one
+(> 3.4x), and issue 18 measured 20 s against over 5 minutes at 100 iterations. One
+forward+backward of that model gains nothing from a second thread even on a quiet
+machine (1.04x), while with one core busy it loses 1.4x at d_model 32, 2.2x at 64, 2.8x
+at 128 and 1.7x at 256; on a quiet machine two threads gain from d_model 64 on (0.84x,
+0.54x at 128) (``--calibrate`` sizes: d_model/seq/batch 32/16/4, 64/32/8, 128/64/8,
+256/128/8; one run at load average 0.3). On a machine loaded well beyond its cores (load
+average 8), two threads lost 4-16x at every size up to d_model 256.
 
-The library never changes the thread setting of the calling process. The ``loopprobe``
-command line applies :func:`auto_threads` (one thread below ``THRESHOLD``, torch's default
-above, ``--threads N`` overrides); from Python, opt in with :func:`threads`::
+Hence the rule of the ``loopprobe`` command line (:func:`auto_threads`): one thread below
+:data:`THRESHOLD` parameter-tokens (parameters times token positions, about the
+multiply-adds of one forward; LoopedGPT d_model 256, seq 128, batch 8, K=2 is 1.6e9; the
+reference models of every command are far below), above it torch's default capped at the
+cores the 1-minute load average leaves idle; ``--threads N`` overrides.
+
+The library never changes the thread setting of the calling process; from Python, opt in
+with :func:`threads`::
 
     with lp.threads(1):          # restores torch.get_num_threads() on exit
         rep = probe.alignment(inputs, loss_fn)
@@ -21,6 +30,7 @@ above, ``--threads N`` overrides); from Python, opt in with :func:`threads`::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -63,11 +73,30 @@ def work(model: nn.Module, inputs: Any = None) -> float:
     return float(params * _positions(inputs))
 
 
-def auto_threads(work: float, default: int | None = None) -> int:
-    """One thread below :data:`THRESHOLD` parameter-tokens, else ``default`` (torch's)."""
-    if default is None:
-        default = torch.get_num_threads()
-    return 1 if work < THRESHOLD else max(1, default)
+def auto_threads(work: float, default: int | None = None, idle: int | None = None) -> int:
+    """The command line's rule: one thread below :data:`THRESHOLD` parameter-tokens; above
+    it ``default`` (torch's) capped at the cores left ``idle`` (default :func:`idle_cores`)."""
+    if work < THRESHOLD:
+        return 1
+    n = torch.get_num_threads() if default is None else default
+    idle = idle_cores() if idle is None else idle
+    return max(1, min(n, idle) if idle is not None else n)
+
+
+def idle_cores() -> int | None:
+    """Cores this process may use minus the 1-minute load average, rounded; at least 1.
+
+    ``None`` where the load average is not available (Windows).
+    """
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, int(cpus - load + 0.5))
 
 
 def _positions(inputs: Any) -> int:

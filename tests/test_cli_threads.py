@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from loopprobe.cli._common import apply_threads
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.threads import THRESHOLD, auto_threads, work
 
+lp_threads = importlib.import_module("loopprobe.threads")  # the module; lp.threads is the function
 TINY = ["--d-model", "8", "--heads", "2", "--seq", "4", "--batch", "2", "--vocab", "11"]
 
 
@@ -76,11 +79,26 @@ def test_the_reference_sizes_fall_on_both_sides_of_the_threshold():
     small = work(gpt(32, 16), torch.zeros(4, 16, dtype=torch.long))  # the CLI default
     large = work(gpt(256, 128), torch.zeros(8, 128, dtype=torch.long))  # issue 18's size
     assert small < THRESHOLD / 100 and large > THRESHOLD
-    assert auto_threads(small, default=2) == 1
-    assert auto_threads(large, default=2) == 2
+    assert auto_threads(small, default=2, idle=2) == 1
+    assert auto_threads(large, default=2, idle=2) == 2
 
 
-def test_apply_threads_prefers_the_flag_then_the_rule(restore_threads):
+def test_above_the_threshold_the_default_is_capped_at_the_idle_cores(monkeypatch):
+    assert auto_threads(2 * THRESHOLD, default=8, idle=3) == 3
+    assert auto_threads(2 * THRESHOLD, default=2, idle=16) == 2
+    monkeypatch.setattr(lp_threads, "idle_cores", lambda: None)  # no load average (Windows)
+    assert auto_threads(2 * THRESHOLD, default=4) == 4
+    monkeypatch.setattr(lp_threads, "idle_cores", lambda: 1)
+    assert auto_threads(2 * THRESHOLD, default=4) == 1
+
+
+def test_idle_cores_is_at_least_one_and_at_most_the_cores():
+    idle = lp_threads.idle_cores()
+    assert idle is None or 1 <= idle <= (os.cpu_count() or 1)
+
+
+def test_apply_threads_prefers_the_flag_then_the_rule(restore_threads, monkeypatch):
+    monkeypatch.setattr(lp_threads, "idle_cores", lambda: 8)
     ns = argparse.Namespace(threads=None, torch_default_threads=3)
     assert apply_threads(ns, 10.0) == 1 and torch.get_num_threads() == 1
     assert apply_threads(ns, 2 * THRESHOLD) == 3 and torch.get_num_threads() == 3

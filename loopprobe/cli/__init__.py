@@ -28,10 +28,10 @@ from loopprobe.cli._common import cwd_on_path
 
 THREADS_HELP = (
     "torch intra-op threads. Default: 1 for models below {threshold:.0e} parameter-tokens "
-    "(parameters x token positions; the reference models of every command are far below), "
-    "torch's default ({default}) above. Several threads on tiny kernels wait on each other "
-    "and run 10-30x slower than one when another process keeps a core busy "
-    "(benchmarks/bench_threads.py)."
+    "(parameters x token positions; the reference models of every command are far below); "
+    "above, torch's default ({default}) capped at the cores the load average leaves idle. "
+    "Several threads on small kernels wait on each other and run many times slower than "
+    "one when another process keeps a core busy (benchmarks/bench_threads.py)."
 )
 
 
