@@ -14,7 +14,7 @@ losing badly to a busy core and start gaining on an idle one is the threshold.
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_threads.py                 # kappa and bound, ~3-6 min
+    .venv/bin/python benchmarks/bench_threads.py      # kappa, bound: minutes (2 threads capped)
     .venv/bin/python benchmarks/bench_threads.py --max-iter 20 --repeats 1 --calibrate
 """
 
