@@ -60,6 +60,7 @@ from loopprobe.lrtransfer import (
 )
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
+from loopprobe.threads import threads  # opt-in: with lp.threads(1): ... (restores)
 from loopprobe.updates import Updates, per_visit_updates
 from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, attach
 
@@ -127,4 +128,5 @@ __all__ = [
     "sweep",
     "tasks",
     "theory",
+    "threads",
 ]

@@ -173,7 +173,7 @@ def test_kappa_on_a_user_reference_model_draws_tokens_from_its_config(capsys):
         (["--model", "user_models:missing"], "has no attribute 'missing'"),
         (["--model", "user_models:NOT_CALLABLE"], "'NOT_CALLABLE' is not callable"),
         (["--model", "user_models:not_a_module"], "returned a int, not an nn.Module"),
-        (["--model", "user_models:shared_no_args", "--R", "3"], "calling shared_no_args(3) failed"),
+        (["--model", "user_models:shared_no_args", "--R", "3"], "shared_no_args(3) raised TypeErr"),
         (["--model", "user_models:shared"], "pass --inputs package.module:fn"),
         (["--model", "user_models:unlooped", "--inputs", "user_models:batch"], "nothing is looped"),
         (["--inputs", "user_models:batch"], "--inputs only applies together with --model"),
@@ -266,7 +266,7 @@ def test_bound_on_a_user_factory_needs_alpha_and_beta_and_calls_factory_with_eac
         (["--R", "2,2"], "at least two distinct values"),
         (["--R", "0,2"], "--R values must be integers >= 1, got 0"),
         (["--R", "1,2", "--lr", "0"], "--lr must be > 0"),
-        (["--R", "1,2", "--model", "user_models:not_a_module"], "calling not_a_module(1) failed"),
+        (["--R", "1,2", "--model", "user_models:not_a_module"], "not_a_module(1) raised TypeError"),
     ],
 )
 def test_bound_bad_input_prints_one_line_and_exits_2(capsys, argv, needle):

@@ -3,46 +3,127 @@
 Each subcommand lives in its own module in this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``func=run`` where
 ``run(args) -> int``. Modules are discovered, so adding a command touches one file.
-Errors a user can fix (``ValueError``/``TypeError``) become one line on stderr and
-exit code 2, without a traceback.
+Every command also gets ``--threads`` and ``--debug`` (added here) and runs with the
+current directory on ``sys.path`` (as ``python -m`` does), so ``--model mymodel:make``
+finds ``./mymodel.py``.
+
+Errors: bad arguments and errors a user can fix (``ValueError``/``TypeError``, also those
+raised by the user's factory, inputs or loss functions) are one line on stderr and exit
+code 2; any other failure is one line and exit code 1. ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
+from typing import NoReturn
+
+import torch
 
 import loopprobe
+from loopprobe.cli._common import cwd_on_path
+
+THREADS_HELP = (
+    "torch intra-op threads. Default: 1 for models below {threshold:.0e} parameter-tokens "
+    "(parameters x token positions; the reference models of every command are far below); "
+    "above, torch's default ({default}) capped at the cores the load average leaves idle. "
+    "Several threads on small kernels wait on each other and run many times slower than "
+    "one when another process keeps a core busy (benchmarks/bench_threads.py)."
+)
+
+
+class Parser(argparse.ArgumentParser):
+    """Argument errors as one line on stderr (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--threads`` and ``--debug``, on every command."""
+    from loopprobe.threads import THRESHOLD
+
+    group = parser.add_argument_group("common options")
+    group.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=THREADS_HELP.format(threshold=THRESHOLD, default=torch.get_num_threads()),
+    )
+    group.add_argument("--debug", action="store_true", help="show the full traceback of an error")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="loopprobe",
         description="Visit-resolved diagnostics for looped (weight-tied) Transformers.",
     )
     parser.add_argument("--version", action="version", version=f"loopprobe {loopprobe.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         module.register(sub)
+    for command in sub.choices.values():
+        add_common_args(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the command's parser, so the hint names its --help
+        commands = parser._subparsers._group_actions[0].choices if parser._subparsers else {}
+        (commands.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    previous = torch.get_num_threads()
+    args.torch_default_threads = previous
+    args.threads_used = args.threads or 1
+    torch.set_num_threads(args.threads_used)  # commands raise it for large models
     try:
-        return int(args.func(args) or 0)
+        with cwd_on_path():
+            return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `loopprobe theory ... | head`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (ValueError, TypeError) as err:
-        print(f"loopprobe {args.command}: error: {err}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"loopprobe {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except Exception as err:  # noqa: BLE001 - one line; the traceback with --debug
+        if args.debug:
+            raise
+        print(
+            f"loopprobe {args.command}: error: {type(err).__name__}: {_one_line(err)} "
+            "(run again with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -24,14 +24,16 @@ import torch
 
 from loopprobe import theory
 from loopprobe.alignment import bound_sweep
-from loopprobe.cli._common import emit, int_list, text_table
+from loopprobe.cli._common import apply_threads, emit, int_list, text_table
 from loopprobe.cli.kappa import (
     _fmt,
     add_target_args,
     build_target,
+    call_hint,
     check_positive,
     describe,
 )
+from loopprobe.threads import work
 
 ROW_KEYS = (
     "R",
@@ -108,7 +110,15 @@ def build_report(args: argparse.Namespace) -> dict:
                 "pass --alpha and --beta (1 and 1 for a plain pre-norm model)"
             )
     first = targets[Rs[0]]
-    sweep = bound_sweep(
+    apply_threads(args, max(work(t.model, t.inputs) for t in targets.values()))
+    with call_hint(first):
+        sweep = _sweep(args, Rs, targets)
+    return _report(args, Rs, first, sweep)
+
+
+def _sweep(args: argparse.Namespace, Rs: list[int], targets: dict) -> object:
+    first = targets[Rs[0]]
+    return bound_sweep(
         lambda R: targets[R].model,
         Rs,
         lambda model: next(t.inputs for t in targets.values() if t.model is model),
@@ -118,12 +128,16 @@ def build_report(args: argparse.Namespace) -> dict:
         scope=args.scope,
         alpha=None if args.alpha is None else args.alpha,
         beta=None if args.beta is None else args.beta,
+        forward=first.forward,
         output=first.output,
         seed=args.seed,
         max_iter=args.max_iter,
         tol=args.tol,
         generator=torch.Generator().manual_seed(args.seed),
     )
+
+
+def _report(args: argparse.Namespace, Rs: list[int], first: object, sweep: object) -> dict:
     frame = sweep.to_frame()
     rows = frame[[k for k in ROW_KEYS if k in frame.columns]].to_dict(orient="records")
     rows = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in rows]
@@ -137,7 +151,9 @@ def build_report(args: argparse.Namespace) -> dict:
         "lr": args.lr,
         "optimizer": args.optimizer,
         "scope": args.scope,
-        "loss_fn": first.loss_name,
+        "loss_fn": first.describe_loss(),
+        "F": first.describe_output(),
+        "threads": args.threads_used,
         "slope": sweep.slope,
         "slope_first": sweep.slope_first,
         "slope_prediction": sweep.slope_prediction,

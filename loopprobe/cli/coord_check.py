@@ -20,7 +20,7 @@ import importlib
 import pathlib
 import re
 
-from loopprobe.cli._common import int_list, print_json, setup_sweep
+from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
 
 _cc = importlib.import_module("loopprobe.coordcheck")
 
@@ -61,7 +61,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "multiplier (default 1); 'model' trains the model as built")  # fmt: skip
     parser.add_argument("--quantities", default="state_change,increment_change",
                         help="figures to draw: " + ", ".join(_cc.QUANTITIES))  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--cache", default=None, help="cache directory for the sweep cells")
     parser.add_argument("--out", required=True, help="output directory (CSV and figures)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -73,7 +72,7 @@ def _slug(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_sweep(args)
+    setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, args.K))
     quantities = [q.strip() for q in args.quantities.split(",") if q.strip()]
     bad = [q for q in quantities if q not in _cc.QUANTITIES]
     if bad:

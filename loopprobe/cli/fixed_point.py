@@ -18,7 +18,8 @@ import argparse
 import torch
 
 from loopprobe import fixedpoint as fpm
-from loopprobe.cli._common import load_object, print_json
+from loopprobe.cli._common import apply_threads, call_user, load_object, print_json
+from loopprobe.threads import work
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -108,18 +109,19 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         model = default_model(args.seed)
     else:
-        model = load_object(args.model, "--model")()
+        model = call_user(load_object(args.model, "--model"), "--model", args.model)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model {args.model!r} returned {type(model).__name__}, not a Module")
     model = model.to(DTYPES[args.dtype])
     if args.inputs is not None:
-        idx = load_object(args.inputs, "--inputs")(model)
+        idx = call_user(load_object(args.inputs, "--inputs"), "--inputs", args.inputs, model)
     else:
         vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
         if vocab is None:
             raise ValueError("the model has no cfg.vocab_size; pass --inputs pkg.mod:fn")
         gen = torch.Generator().manual_seed(args.seed)
         idx = torch.randint(0, vocab, (1, args.seq_len), generator=gen)
+    apply_threads(args, work(model, idx))
     out = report(model, idx, method=args.method, tol=args.tol, max_iter=args.max_iter,
                  k=args.k, seed=args.seed)  # fmt: skip
     if args.json:

@@ -21,7 +21,7 @@ import pathlib
 
 import pandas as pd
 
-from loopprobe.cli._common import int_list, print_json, setup_sweep
+from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
 from loopprobe.models.gpt import RESIDUALS
 
 # the module, not the function ``lp.increments`` that shadows it on the package
@@ -69,7 +69,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="RMS of the loop's starting state h_0 (default 1, seed 004's Theta(1) "
         "assumption); 'model' keeps the model's own embedding (std 0.02)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--cache", default=None, help="cache directory for the sweep cells")
     parser.add_argument("--out", default=None, help="directory for increments.csv and growth.png")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -89,7 +88,9 @@ def _h0(text: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_sweep(args)
+    # untied: N blocks of one model, the largest the sweep builds
+    blocks = max(args.N) if "untied" in args.tying else 1
+    setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, blocks))
     h0 = _h0(args.h0_rms)
     results = []
     for tying in args.tying:

@@ -12,9 +12,13 @@ Without ``--model`` the target is the reference :class:`~loopprobe.models.Looped
 package.module:factory`` probes the user's own ``nn.Module``: ``factory()`` (or
 ``factory(R)`` when ``--R`` is given) builds it; ``--inputs package.module:fn`` returns
 what the model is called with (``fn(model)``, or ``fn()`` if it takes no argument);
-``--loss package.module:fn`` is ``loss_fn(output, inputs)`` (default: cross-entropy on
-random targets for models with ``cfg.vocab_size``, else ``0.5 * mean(F^2)``) and
-``--output package.module:fn`` picks the tensor F from the output.
+``--forward package.module:fn`` calls the model as ``fn(model, inputs)`` (keyword
+arguments, dicts: ``return model(**inputs)``); ``--output package.module:fn`` picks the
+tensor F from the output (default: the output itself, or its ``.logits`` for Hugging
+Face ``ModelOutput`` and similar; the report says which); ``--loss package.module:fn`` is
+``loss_fn(output, inputs)`` (default: the model's own scalar ``.loss`` when it returns
+one, else cross-entropy on random targets for models with ``cfg.vocab_size``, else
+``0.5 * mean(F^2)``).
 
 The helpers here (target construction, shared arguments) also serve ``loopprobe bound``.
 Reference: seed 002, Eq. 12 (kappa_j), Eq. 17-18 (M, M_g).
@@ -23,8 +27,9 @@ Reference: seed 002, Eq. 12 (kappa_j), Eq. 17-18 (M, M_g).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +37,17 @@ import torch
 from torch import nn
 
 from loopprobe import tasks
-from loopprobe.cli._common import emit, load_object, text_table
+from loopprobe.cli._common import (
+    DefaultOutput,
+    apply_threads,
+    call_user,
+    emit,
+    load_object,
+    model_loss,
+    text_table,
+)
 from loopprobe.models import GPTConfig, LoopedGPT
+from loopprobe.threads import work
 from loopprobe.visits import attach
 
 NORMS = ("pre", "post", "deepnorm", "deeploop")
@@ -77,6 +91,34 @@ class Target:
     loss_name: str
     alpha: float | None
     beta: float | None
+    forward: Callable[[nn.Module, Any], Any] | None = None
+
+    def describe_output(self) -> str | None:
+        """What F was (known after a probe when the default picker chose it)."""
+        if isinstance(self.output, DefaultOutput):
+            if self.output.picked is None:
+                return None
+            return f"{self.output.picked} (default; pass --output to pick another tensor)"
+        return None
+
+    def describe_loss(self) -> str:
+        return getattr(self.loss_fn, "used", None) or self.loss_name
+
+
+class DefaultLoss:
+    """The loss when no ``--loss`` is given: the model's own scalar ``.loss`` if its output
+    carries one (Hugging Face style), else ``fallback``. ``used`` names what was used."""
+
+    def __init__(self, fallback: Callable[[Any, Any], torch.Tensor], name: str) -> None:
+        self.fallback, self.name, self.used = fallback, name, None
+
+    def __call__(self, out: Any, inputs: Any) -> torch.Tensor:
+        loss = model_loss(out)
+        if loss is not None:
+            self.used = self.used or "the model's own .loss"
+            return loss
+        self.used = self.used or self.name
+        return self.fallback(out, inputs)
 
 
 # --------------------------------------------------------------------------- arguments
@@ -108,13 +150,25 @@ def add_target_args(parser: argparse.ArgumentParser, *, default_norm: str) -> No
         help="fn(model) or fn() returning what the model is called with",
     )
     user.add_argument(
-        "--loss", default=None, metavar="PKG.MOD:FN", help="loss_fn(output, inputs) -> scalar"
+        "--loss",
+        default=None,
+        metavar="PKG.MOD:FN",
+        help="loss_fn(output, inputs) -> scalar (default: the model's own .loss if it returns "
+        "one, else cross-entropy on random tokens with cfg.vocab_size, else 0.5 mean(F^2))",
+    )
+    user.add_argument(
+        "--forward",
+        default=None,
+        metavar="PKG.MOD:FN",
+        help="fn(model, inputs) -> output, for models called with keyword arguments or dicts "
+        "(e.g. return model(**inputs)); default model(*inputs) for a tuple, else model(inputs)",
     )
     user.add_argument(
         "--output",
         default=None,
         metavar="PKG.MOD:FN",
-        help="fn(output) -> the tensor F (default: the output itself)",
+        help="fn(output) -> the tensor F (default: the output itself, or its .logits when it "
+        "is not a tensor, e.g. a Hugging Face ModelOutput)",
     )
     user.add_argument("--alpha", type=float, default=None, help="residual scale (default cfg)")
     user.add_argument("--beta", type=float, default=None, help="init gain (default cfg)")
@@ -172,8 +226,10 @@ def user_model(args: argparse.Namespace, R: int | None) -> nn.Module:
     call = f"{args.model.partition(':')[2]}({'' if R is None else R})"
     try:
         model = factory() if R is None else factory(R)
-    except TypeError as err:
-        raise ValueError(f"--model {args.model}: calling {call} failed ({err})") from err
+    except Exception as err:  # noqa: BLE001 - the user's code: report it in one line
+        raise ValueError(
+            f"--model {args.model}: {call} raised {type(err).__name__}: {err}"
+        ) from err
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"--model {args.model}: {call} returned a {type(model).__name__}, not an nn.Module"
@@ -186,18 +242,20 @@ def user_model(args: argparse.Namespace, R: int | None) -> nn.Module:
 def build_target(args: argparse.Namespace, R: int | None) -> Target:
     """The model (reference or ``--model``), its inputs, loss, F picker and scales."""
     if args.model is None:
-        for flag in ("inputs", "loss", "output"):
+        for flag in ("inputs", "loss", "output", "forward"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag} only applies together with --model")
         model = reference_model(args, 4 if R is None else R)
+        output = None
     else:
         model = user_model(args, R)
-    output = load_object(args.output, "--output") if args.output else None
+        output = load_object(args.output, "--output") if args.output else DefaultOutput()
+    forward = load_object(args.forward, "--forward") if args.forward else None
     cfg = getattr(model, "cfg", None)
     inputs, loss_fn, loss_name = _inputs_and_loss(args, model, cfg, output)
     alpha = args.alpha if args.alpha is not None else getattr(cfg, "alpha", None)
     beta = args.beta if args.beta is not None else getattr(cfg, "beta", None)
-    return Target(model, inputs, loss_fn, output, loss_name, alpha, beta)
+    return Target(model, inputs, loss_fn, output, loss_name, alpha, beta, forward)
 
 
 def _inputs_and_loss(args: argparse.Namespace, model: nn.Module, cfg: Any, output: Any) -> tuple:
@@ -206,7 +264,7 @@ def _inputs_and_loss(args: argparse.Namespace, model: nn.Module, cfg: Any, outpu
     targets = None
     if args.inputs is not None:
         fn = load_object(args.inputs, "--inputs")
-        inputs = fn(model) if _takes_argument(fn) else fn()
+        inputs = call_user(fn, "--inputs", args.inputs, *([model] if _takes_argument(fn) else []))
         if isinstance(inputs, list):
             inputs = tuple(inputs)
     elif hasattr(cfg, "vocab_size") and hasattr(cfg, "seq_len"):
@@ -221,6 +279,13 @@ def _inputs_and_loss(args: argparse.Namespace, model: nn.Module, cfg: Any, outpu
         )
     if args.loss is not None:
         return inputs, load_object(args.loss, "--loss"), args.loss
+    fallback, name = _fallback_loss(pick, targets)
+    if args.model is None:
+        return inputs, fallback, name
+    return inputs, DefaultLoss(fallback, name), name
+
+
+def _fallback_loss(pick: Callable[[Any], torch.Tensor], targets: Any) -> tuple:
     if targets is not None:
 
         def cross_entropy(out: Any, _inputs: Any) -> torch.Tensor:
@@ -229,12 +294,27 @@ def _inputs_and_loss(args: argparse.Namespace, model: nn.Module, cfg: Any, outpu
                 logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
             )
 
-        return inputs, cross_entropy, "cross-entropy on random tokens"
+        return cross_entropy, "cross-entropy on random tokens"
 
     def half_mean_square(out: Any, _inputs: Any) -> torch.Tensor:
         return 0.5 * pick(out).pow(2).mean()
 
-    return inputs, half_mean_square, "0.5 * mean(F^2) (pass --loss to use yours)"
+    return half_mean_square, "0.5 * mean(F^2) (pass --loss to use yours)"
+
+
+@contextlib.contextmanager
+def call_hint(target: Target) -> Iterator[None]:
+    """A model fed a dict without ``--forward`` that fails: say how to call it instead."""
+    try:
+        yield
+    except Exception as err:
+        if target.forward is None and isinstance(target.inputs, dict):
+            raise ValueError(
+                f"calling the model with the dict from --inputs as model(inputs) raised "
+                f"{type(err).__name__}: {err}; pass --forward package.module:fn with "
+                "def fn(model, inputs): return model(**inputs)"
+            ) from err
+        raise
 
 
 def _takes_argument(fn: Callable) -> bool:
@@ -293,10 +373,12 @@ def build_report(args: argparse.Namespace) -> dict:
     if args.R is not None:
         check_positive(args, ("R",))
     target = build_target(args, args.R)
-    with attach(target.model) as probe:
+    apply_threads(args, work(target.model, target.inputs))
+    with attach(target.model) as probe, call_hint(target):
         rep = probe.alignment(
             target.inputs,
             target.loss_fn,
+            forward=target.forward,
             output=target.output,
             update=args.update,
             max_iter=args.max_iter,
@@ -321,7 +403,9 @@ def build_report(args: argparse.Namespace) -> dict:
         "ratio": ratio,
         "bound": None if ratio is None else rep.M_g * rep.kappa * ratio**2,
         "update": rep.update,
-        "loss_fn": target.loss_name,
+        "loss_fn": target.describe_loss(),
+        "F": target.describe_output(),
+        "threads": args.threads_used,
         "loss": rep.loss,
         "F_norm": rep.F_norm,
         "converged": bool(subs["converged"].fillna(False).all()) if "converged" in subs else False,
@@ -361,6 +445,8 @@ def format_report(report: dict) -> str:
         f"beta/alpha={_fmt(report['ratio'])}"
     )
     lines.append(f"G: {report['update']}; loss: {report['loss_fn']} = {_fmt(report['loss'])}")
+    if report.get("F"):
+        lines.append(f"F: {report['F']}")
     head = [
         "sublayer",
         "R_g",

@@ -18,7 +18,7 @@ import argparse
 import importlib
 import pathlib
 
-from loopprobe.cli._common import int_list, print_json, setup_sweep
+from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
 from loopprobe.models.gpt import RESIDUALS
 
 _lt = importlib.import_module("loopprobe.lrtransfer")
@@ -62,7 +62,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", dest="seq_len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--eval-batches", dest="eval_batches", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--cache", default=None, help="cache directory (resumable)")
     parser.add_argument("--out", default=None, help="directory for lr_transfer.csv and .png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar")
@@ -71,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_sweep(args)
+    setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, 1))
     lt = _lt.reference_lr_transfer(
         args.residual,
         args.N,

@@ -6,6 +6,8 @@ Example::
     loopprobe report --quick --out /tmp/r             # smaller sizes (tests, a first look)
     loopprobe report --sections alignment             # recompute one section
     loopprobe report --model mypkg.models:make --inputs mypkg.data:batch
+    loopprobe report --model mymodel:make --inputs mymodel:batch --forward mymodel:call \
+        --alpha 1 --beta 1                        # kwargs/dict inputs; bound check scales
 
 Writes ``index.html`` (tables, PNG figures, the command behind each figure),
 ``results.json`` and tidy CSVs, and prints a summary table. Exit status: 0, 1 if a
@@ -15,10 +17,11 @@ section failed, 2 on bad input (nothing is computed then).
 from __future__ import annotations
 
 import argparse
-
-import torch
+import math
 
 from loopprobe import report
+from loopprobe.cli._common import apply_threads, load_object, reference_work
+from loopprobe.threads import work
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,7 +52,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--output",
         default=None,
-        help="package.module:fn; output(out) -> the tensor F (default: logits or first tensor)",
+        help="package.module:fn; output(out) -> the tensor F (default: the output if it is a "
+        "tensor, else its .logits, ['logits'] or first tensor)",
+    )
+    parser.add_argument(
+        "--forward",
+        default=None,
+        help="package.module:fn; fn(model, inputs) -> output, for models called with keyword "
+        "arguments or dicts (e.g. return model(**inputs))",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help="residual scale of --model for the bound check (default model.cfg.alpha; without "
+        "either the check is skipped)",
+    )
+    parser.add_argument(
+        "--beta", type=float, default=None, help="init gain of --model (default model.cfg.beta)"
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
     parser.add_argument(
@@ -59,23 +79,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-cache", action="store_true", help="recompute every sweep cell")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (default 1: tiny models run faster without intra-op threads)",
-    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.inputs is not None and args.model is None:
         raise ValueError("--inputs needs --model (the reference model makes its own inputs)")
-    for flag in ("loss", "output"):
+    for flag in ("loss", "output", "forward", "alpha", "beta"):
         if getattr(args, flag) is not None and args.model is None:
             raise ValueError(f"--{flag} needs --model (the reference model brings its own)")
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    for flag in ("alpha", "beta"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{flag} must be a positive number, got {value}")
     sections = [s.strip() for s in args.sections.split(",")] if args.sections else None
     keys = [s.key for s in report.SECTIONS]
     if sections and any(s not in keys for s in sections):
@@ -83,24 +99,24 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--sections: unknown {bad}; choose from {','.join(keys)}")
     report.check_out_dir(args.out)  # before any computation
     cfg = report.ReportConfig.quick() if args.quick else report.ReportConfig()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        user = None
-        if args.model is not None:
-            user = report.load_user_model(
-                args.model, args.inputs, args.loss, seed=cfg.seed, output_spec=args.output
-            )
-        results = report.run_report(
-            args.out,
-            cfg,
-            user=user,
-            sections=sections,
-            cache=not args.no_cache,
-            progress=not args.no_progress,
-            command=report.main_command(),
+    user = None
+    if args.model is not None:
+        user = report.load_user_model(
+            args.model, args.inputs, args.loss, seed=cfg.seed, output_spec=args.output
         )
-    finally:
-        torch.set_num_threads(previous)
+        user.forward = load_object(args.forward, "--forward") if args.forward else None
+        user.alpha, user.beta = args.alpha, args.beta
+        apply_threads(args, work(user.model, user.inputs))
+    else:  # the largest reference model the report builds: the untied growth sweep
+        apply_threads(args, reference_work(cfg.d_model, cfg.seq_len, cfg.batch, max(cfg.Ns)))
+    results = report.run_report(
+        args.out,
+        cfg,
+        user=user,
+        sections=sections,
+        cache=not args.no_cache,
+        progress=not args.no_progress,
+        command=report.main_command(),
+    )
     failed = [k for k, s in results["sections"].items() if s["status"] == "failed"]
     return 1 if failed else 0

@@ -72,6 +72,9 @@ class UserModel:
     inputs_spec: str | None = None
     loss_spec: str | None = None
     output: Callable[[Any], torch.Tensor] | None = None  # picks F; default first_tensor
+    forward: Callable[[nn.Module, Any], Any] | None = None  # --forward: fn(model, inputs)
+    alpha: float | None = None  # --alpha/--beta: the bound check's scales (default cfg)
+    beta: float | None = None
 
 
 @dataclass

@@ -96,7 +96,8 @@ def visits_section(ctx: Context) -> Result:
         model, (inputs, _) = _gpt(ctx.cfg, K=ctx.cfg.K, R=4, norm="deeploop"), _batch(ctx.cfg)
     try:
         with loopprobe.attach(model) as probe:
-            table = probe.visit_table(inputs, output=output)
+            forward = ctx.user.forward if ctx.user is not None else None
+            table = probe.visit_table(inputs, forward=forward, output=output)
     except ValueError as err:
         raise Skip(str(err)) from err
     M, M_g = table.attrs["M"], table.attrs["M_g"]
@@ -274,6 +275,7 @@ def _alignment_user(ctx: Context) -> Result:
                 probe,
                 u.inputs,
                 u.loss_fn,
+                forward=u.forward,
                 output=u.output,
                 max_iter=ctx.cfg.power_iters,
                 tol=1e-4,
@@ -282,10 +284,19 @@ def _alignment_user(ctx: Context) -> Result:
             raise Skip(str(err)) from err
         values: dict[str, Any] = {"kappa": rep.kappa, "M": rep.M, "M_g": rep.M_g}
         try:
-            chk = bound_check(probe, u.inputs, u.loss_fn, output=u.output, report=rep)
+            chk = bound_check(
+                probe,
+                u.inputs,
+                u.loss_fn,
+                forward=u.forward,
+                output=u.output,
+                alpha=u.alpha,
+                beta=u.beta,
+                report=rep,
+            )
             values.update(chk.to_dict())
         except ValueError as err:
-            notes.append(f"bound check skipped: {err}")
+            notes.append(f"bound check skipped: {err} (loopprobe report: --alpha and --beta)")
     cos = pd.DataFrame(
         [
             {"sublayer": name, "r": r, "s": s, "cosine": float(m[r, s])}

@@ -102,7 +102,7 @@ def increments_section(ctx: Context) -> Result:
 def _increments_user(ctx: Context, inc: Any) -> Result:
     u = ctx.user
     try:
-        one = inc.increments(u.model, u.inputs)
+        one = inc.increments(u.model, u.inputs, forward=u.forward)
     except (ValueError, TypeError) as err:
         raise Skip(str(err)) from err
     groups = one.group_frame()
