@@ -48,6 +48,10 @@ ROW_KEYS = (
     "prediction",
     "C",
     "C_first",
+    "prediction_M",
+    "dF_roundoff",
+    "converged",
+    "reason",
 )
 
 
@@ -159,6 +163,8 @@ def _report(args: argparse.Namespace, Rs: list[int], first: object, sweep: objec
         "slope_prediction": sweep.slope_prediction,
         "C_ratio": sweep.C_ratio,
         "C": [r["C"] for r in rows],
+        "converged": sweep.converged,
+        "reason": sweep.reason,
         "theory": _theory_slopes(args),
         "rows": rows,
     }
@@ -221,6 +227,10 @@ def format_report(report: dict) -> str:
         )
     lines.append(tail)
     lines.append(f"C max/min across R = {_fmt(report['C_ratio'])}")
+    if report["converged"]:
+        lines.append("converged: yes (every kappa_R certified; every true change above roundoff)")
+    else:
+        lines.append(f"converged: NO: {report['reason']}")
     return "\n".join(lines)
 
 

@@ -408,7 +408,9 @@ def build_report(args: argparse.Namespace) -> dict:
         "threads": args.threads_used,
         "loss": rep.loss,
         "F_norm": rep.F_norm,
-        "converged": bool(subs["converged"].fillna(False).all()) if "converged" in subs else False,
+        "converged": rep.converged,
+        "reason": rep.reason,
+        "kappa_note": rep.kappa_note,
         "sublayers": _records(subs, SUBLAYER_KEYS),
         "visits": _records(rep.visits, VISIT_KEYS),
     }
@@ -472,13 +474,17 @@ def format_report(report: dict) -> str:
     rows = [[_fmt(s.get(k)) for k in keys] for s in report["sublayers"]]
     lines += text_table(head, rows)
     lines.append(
-        f"kappa_R = {_fmt(report['kappa'])} (max over sublayers; 0 <= kappa_j <= R_j: "
+        f"kappa_R = {_fmt(report['kappa'])} (max over body sublayers; 0 <= kappa_j <= R_j: "
         "R_j when visits align, O(1) when they decorrelate)"
     )
+    if report["kappa_note"]:
+        lines.append(report["kappa_note"])
     if report["bound"] is not None:
         lines.append(f"M_g kappa_R (beta/alpha)^2 = {_fmt(report['bound'])} (seed 002, Eq. 14)")
-    if not report["converged"]:
-        lines.append("warning: some power iterations did not converge (raise --max-iter)")
+    if report["converged"]:
+        lines.append("converged: yes (every norm estimate converged; every kappa_j in [0, R_j])")
+    else:
+        lines.append(f"converged: NO: {report['reason']} (raise --max-iter)")
     return "\n".join(lines)
 
 
