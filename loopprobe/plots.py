@@ -241,7 +241,7 @@ def delta_f_vs_R(
     for color, (level, sub) in zip(_palette(len(levels)), _groups(df, hue), strict=True):
         fit = loglog_slope(sub[x], sub[y])
         name = str(level) if hue else y
-        _line(ax, sub, x, y, color=color, label=f"{name} (fit {fit:.2f})")
+        _line(ax, sub, x, y, color=color, label=f"{name} (fit {_two(fit)})")
         if level in slopes:
             _reference_slope(
                 ax, sub[x], sub[y], slopes[level], f"{name} predicted slope {slopes[level]:g}"
@@ -557,3 +557,9 @@ def eigenvalues(
     ax.set(xlabel="Re λ", ylabel="Im λ", title=title)
     _legend_below(fig, ax)
     return fig
+
+
+def _two(x: float) -> str:
+    """Two decimals, without the "-0.00" a slope of -0.001 would print."""
+    text = f"{x:.2f}"
+    return "0.00" if text == "-0.00" else text
