@@ -213,15 +213,16 @@ def make_xt_looped(R: int = 3, seed: int = 0) -> RealModel:
         )
 
     model = seeded_build(build, seed)
-    name = "attn_layers"
+    # train mode: the head runs after every step and once more at the end
+    untie = {"attn_layers": R, "exit_gate": R, "to_logits": R + 1}
     return RealModel(
         model,
         token_ids(seed + 1),
         None,
         None,
         lm_loss(token_ids(seed + 2), lambda out: out),
-        untie={name: R},
-        visit_prefixes={name: _per_call(name, R)},
+        untie=untie,
+        visit_prefixes={name: _per_call(name, calls) for name, calls in untie.items()},
     )
 
 
