@@ -18,8 +18,11 @@ layers between the visits are not tied), so there is no spectral radius to take.
 from __future__ import annotations
 
 import _realchecks as chk
+import pytest
 from _oracles import counting_calls
 from realmodels import make_zamba
+
+from loopprobe.sensitivity import sensitivity_norms
 
 
 def shared_instances(model) -> list[str]:
@@ -69,3 +72,16 @@ def test_increments_run_without_touching_the_callers_rng():
 
 def test_probing_leaves_the_model_bit_identical():
     chk.check_probing_changes_nothing(make_zamba())
+
+
+def test_default_power_iteration_agrees_with_lanczos_despite_the_float32_norms():
+    # The precision floor on this path is float32 (the RMSNorms), not the parameters'
+    # float64: the adjointness check and the stopping rule must use it (no false alarm,
+    # no endless iteration), and both estimators must land on the same norms.
+    case = make_zamba()
+    p = chk.probe(case)
+    power = sensitivity_norms(p, case.inputs, output=case.output)
+    lanczos = sensitivity_norms(p, case.inputs, output=case.output, method="lanczos")
+    assert all(e.converged for e in power.visit_norms)
+    for a, b in zip(power.visit_norms, lanczos.visit_norms, strict=True):
+        assert a.value == pytest.approx(b.value, rel=1e-5)
