@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import _realchecks as chk
 import pytest
+import torch
 from _oracles import counting_calls
 from realmodels import make_hrm_text
 
 import loopprobe as lp
+from loopprobe.updates import per_visit_updates
 
 H, L = 2, 2
 LOW, HIGH = "model.L_module", "model.H_module"
@@ -81,3 +83,21 @@ def test_replay_round_refuses_a_stack_whose_calls_do_not_chain(stack):
 
 def test_probing_leaves_the_model_bit_identical():
     chk.check_probing_changes_nothing(make_hrm_text(H, L))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_hf_gradient_checkpointing_leaves_visits_and_per_visit_updates_unchanged(use_reentrant):
+    # HF-style checkpointing wraps each decoder layer inside the stacks (the recompute in
+    # backward calls it again); the visits are the same visits, with the same G.
+    plain, ckpt = make_hrm_text(H, L), make_hrm_text(H, L)
+    ckpt.model.gradient_checkpointing_enable({"use_reentrant": use_reentrant})
+    assert ckpt.model.is_gradient_checkpointing
+    a = chk.probe(plain).visit_table(plain.inputs, output=plain.output)
+    b = chk.probe(ckpt).visit_table(ckpt.inputs, output=ckpt.output)
+    cols = ["sublayer", "visits", "grad_visible", "no_grad_visits"]
+    assert b[cols].values.tolist() == a[cols].values.tolist()
+    up_a = per_visit_updates(chk.probe(plain), plain.inputs, plain.loss_fn)
+    up_b = per_visit_updates(chk.probe(ckpt), ckpt.inputs, ckpt.loss_fn)
+    for j in range(2):
+        assert up_b.visible[j].tolist() == up_a.visible[j].tolist()
+        torch.testing.assert_close(up_b.G[j], up_a.G[j], rtol=1e-12, atol=1e-16)
