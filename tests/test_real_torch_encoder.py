@@ -13,11 +13,13 @@ same for all three variants; each call maps the stream to the next: a round.
 from __future__ import annotations
 
 import _realchecks as chk
+import numpy as np
 import pytest
 import torch
 from _oracles import counting_calls
 from realmodels import make_torch_encoder
 
+import loopprobe as lp
 from loopprobe.updates import per_visit_updates
 
 R = 3
@@ -87,3 +89,27 @@ def test_spectral_radius_of_the_replayed_layer_round_is_the_dense_one():
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 def test_probing_leaves_the_model_bit_identical(checkpointing):
     chk.check_probing_changes_nothing(make_torch_encoder(R, checkpointing), round_module="layer")
+
+
+def test_increments_of_a_layer_that_returns_the_updated_stream_are_output_minus_input():
+    # nn.TransformerEncoderLayer returns x + sa(x) + ff(...): the stream, not an increment.
+    # Brute force: the layer's own inputs and outputs, recorded by a plain forward hook.
+    case = make_torch_encoder(R)
+    seen = []
+    h = case.model.layer.register_forward_hook(lambda m, a, out: seen.append(out - a[0]))
+    try:
+        with torch.no_grad():
+            case.model(case.inputs)
+    finally:
+        h.remove()
+    brute = torch.stack([d.norm() for d in seen]).numpy()
+    explicit = lp.increments(chk.probe(case), case.inputs, increment="delta")
+    np.testing.assert_allclose(explicit.inc_norm, brute, rtol=1e-12)
+    # Unasked, loopprobe must measure the same increments or refuse to guess; cosines of
+    # the states themselves (what increment="output" measures here) are not increments.
+    try:
+        default = lp.increments(chk.probe(case), case.inputs)
+    except ValueError as e:
+        assert "increment=" in str(e)
+    else:
+        np.testing.assert_allclose(default.inc_norm, brute, rtol=1e-12)
