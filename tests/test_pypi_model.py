@@ -25,14 +25,14 @@ call (the instance is changed, never the package's code).
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 
 import pytest
 import torch
+from _oracles import counting_calls, dense_jacobian, flat_grads
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.func import functional_call, jacrev
+from torch.func import functional_call
 
 import loopprobe as lp
 from loopprobe.sensitivity import sensitivity_norms
@@ -99,17 +99,6 @@ def package_loss(labels: torch.Tensor):
     return forward, (lambda out, inputs: out[0])
 
 
-@contextmanager
-def counting_calls(module: nn.Module):
-    """Independent oracle: a plain forward hook noting, per call, whether grad is on."""
-    calls: list[bool] = []
-    h = module.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
-    try:
-        yield calls
-    finally:
-        h.remove()
-
-
 class UntiedNetwork(nn.Module):
     """One deep copy of the network per call: call k computes with ``copies[k]``."""
 
@@ -127,26 +116,6 @@ def untied_twin(model: nn.Module, calls: int) -> nn.Module:
     twin = copy.deepcopy(model)
     twin.network = UntiedNetwork(model.network, calls)
     return twin
-
-
-def flat_grads(module: nn.Module) -> torch.Tensor:
-    return torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-            for p in module.parameters()
-        ]
-    )
-
-
-def dense_jacobian(F, params: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``dF/dtheta`` as one (m, n) matrix (tests only: the library never builds one)."""
-    names = list(params)
-
-    def f(*ps: torch.Tensor) -> torch.Tensor:
-        return F(dict(zip(names, ps, strict=True)))
-
-    jac = jacrev(f, tuple(range(len(names))))(*params.values())
-    return torch.cat([j.reshape(j.shape[0], -1) for j in jac], 1)
 
 
 # --------------------------------------------------------------------------- discovery

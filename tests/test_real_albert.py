@@ -1,0 +1,71 @@
+"""Hugging Face ALBERT (``transformers.AlbertModel``), probed unchanged.
+
+What its code does (``transformers/models/albert/modeling_albert.py``, 5.24.0):
+``AlbertTransformer.forward`` loops ``for i in range(num_hidden_layers)`` and calls
+``albert_layer_groups[group_idx]`` with ``group_idx = i // (num_hidden_layers //
+num_hidden_groups)``. With one group (the published ALBERT configs) the single module
+``encoder.albert_layer_groups.0`` (one ``AlbertLayer``: attention + FFN + two LayerNorms)
+is called once per layer, R = num_hidden_layers times, each call feeding the next: a
+round. Embeddings, the embedding projection and the pooler run once. The model attends
+through ``F.scaled_dot_product_attention`` (the default ``sdpa`` implementation).
+
+Expected visit table: one sublayer, ``encoder.albert_layer_groups.0``, with R visits,
+all gradient-visible (F = ``last_hidden_state`` reads the last call, which reads all).
+"""
+
+from __future__ import annotations
+
+import _realchecks as chk
+from _oracles import counting_calls
+from realmodels import make_albert
+
+R = 3
+GROUP = "encoder.albert_layer_groups.0"
+
+
+def test_visit_table_is_one_layer_group_visited_once_per_layer():
+    case = make_albert(R)
+    with counting_calls(case.model.get_submodule(GROUP)) as calls:
+        case.model(case.inputs)
+    assert calls == [True] * R  # the code, read independently
+    table = chk.probe(case).visit_table(case.inputs, output=case.output)
+    assert list(table.sublayer) == [GROUP]
+    group_params = sum(p.numel() for p in case.model.get_submodule(GROUP).parameters())
+    assert list(table.parameters) == [group_params]
+    assert (int(table.visits[0]), int(table.grad_visible[0]), int(table.no_grad_visits[0])) == (
+        R,
+        R,
+        0,
+    )
+    assert (table.attrs["M"], table.attrs["M_g"]) == (R, R)
+
+
+def test_sum_of_per_visit_updates_is_the_tied_gradient():
+    chk.check_sum_of_G_is_the_tied_gradient(make_albert(R))
+
+
+def test_each_per_visit_update_is_the_gradient_of_an_explicitly_untied_copy():
+    _, compared = chk.check_G_per_visit_is_the_untied_twin(make_albert(R))
+    assert compared == R
+
+
+def test_one_visit_sensitivity_is_the_top_singular_value_of_the_dense_jacobian():
+    chk.check_one_U_is_the_dense_jacobian_norm(make_albert(R))
+
+
+def test_kappa_lies_between_zero_and_the_number_of_layers():
+    rep = chk.check_kappa_lies_in_zero_to_R(make_albert(R))
+    assert list(rep.sublayers.R_g) == [R]
+
+
+def test_increments_run_without_touching_the_callers_rng():
+    inc = chk.check_increments_run(make_albert(R))
+    assert len(inc.visits) == R
+
+
+def test_spectral_radius_of_the_replayed_layer_round_is_the_dense_one():
+    chk.check_spectral_radius_is_the_dense_one(make_albert(R), GROUP)
+
+
+def test_probing_leaves_the_model_bit_identical():
+    chk.check_probing_changes_nothing(make_albert(R), round_module=GROUP)

@@ -1,0 +1,115 @@
+"""torch's own ``nn.TransformerEncoderLayer`` looped R times, as a researcher writes it.
+
+``realmodels.LoopedEncoder``: embedding, one pre-norm ``nn.TransformerEncoderLayer``
+(``nn.MultiheadAttention``, hence ``F.scaled_dot_product_attention``) called R times by a
+for-loop, a final LayerNorm and a linear head. The same weights are built plain and with
+``torch.utils.checkpoint`` around each call (``use_reentrant=False`` and ``True``): the
+recompute in backward calls the layer again, but it is the same visit.
+
+Expected visit table: one sublayer ``layer`` with R visits, all reaching the logits, the
+same for all three variants; each call maps the stream to the next: a round.
+"""
+
+from __future__ import annotations
+
+import _realchecks as chk
+import numpy as np
+import pytest
+import torch
+from _oracles import counting_calls
+from realmodels import make_torch_encoder
+
+import loopprobe as lp
+from loopprobe.updates import per_visit_updates
+
+R = 3
+CHECKPOINTING = [None, "non_reentrant", "reentrant"]
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+def test_visit_table_is_one_layer_visited_R_times_with_or_without_checkpointing(checkpointing):
+    case = make_torch_encoder(R, checkpointing)
+    with counting_calls(case.model.layer) as calls:
+        case.model(case.inputs)
+    assert len(calls) == R  # forward only: the recompute happens in backward
+    table = chk.probe(case).visit_table(case.inputs)
+    assert list(table.sublayer) == ["layer"]
+    assert (int(table.visits[0]), int(table.grad_visible[0]), int(table.no_grad_visits[0])) == (
+        R,
+        R,
+        0,
+    )
+
+
+def test_sum_of_per_visit_updates_is_the_tied_gradient():
+    chk.check_sum_of_G_is_the_tied_gradient(make_torch_encoder(R))
+
+
+def test_each_per_visit_update_is_the_gradient_of_an_explicitly_untied_copy():
+    _, compared = chk.check_G_per_visit_is_the_untied_twin(make_torch_encoder(R))
+    assert compared == R
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING[1:])
+def test_checkpointed_per_visit_updates_equal_the_plain_models(checkpointing):
+    plain, ckpt = make_torch_encoder(R), make_torch_encoder(R, checkpointing)
+    a = per_visit_updates(chk.probe(plain), plain.inputs, plain.loss_fn)
+    b = per_visit_updates(chk.probe(ckpt), ckpt.inputs, ckpt.loss_fn)
+    assert [v.r for v in b.visits] == [v.r for v in a.visits] == list(range(R))
+    torch.testing.assert_close(b.G[0], a.G[0], rtol=1e-12, atol=1e-14)
+    assert b.visible[0].tolist() == [True] * R
+
+
+def test_one_visit_sensitivity_is_the_top_singular_value_of_the_dense_jacobian():
+    chk.check_one_U_is_the_dense_jacobian_norm(make_torch_encoder(R))
+
+
+def test_kappa_lies_between_zero_and_R():
+    rep = chk.check_kappa_lies_in_zero_to_R(make_torch_encoder(R))
+    assert list(rep.sublayers.R_g) == [R]
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING[1:])
+def test_checkpointed_kappa_equals_the_plain_models(checkpointing):
+    plain, ckpt = make_torch_encoder(R), make_torch_encoder(R, checkpointing)
+    a = chk.probe(plain).alignment(plain.inputs, plain.loss_fn, method="lanczos")
+    b = chk.probe(ckpt).alignment(ckpt.inputs, ckpt.loss_fn, method="lanczos")
+    assert b.kappa == pytest.approx(a.kappa, rel=1e-8)
+
+
+def test_increments_run_without_touching_the_callers_rng():
+    inc = chk.check_increments_run(make_torch_encoder(R))
+    assert len(inc.visits) == R
+
+
+def test_spectral_radius_of_the_replayed_layer_round_is_the_dense_one():
+    chk.check_spectral_radius_is_the_dense_one(make_torch_encoder(R), "layer")
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+def test_probing_leaves_the_model_bit_identical(checkpointing):
+    chk.check_probing_changes_nothing(make_torch_encoder(R, checkpointing), round_module="layer")
+
+
+def test_increments_of_a_layer_that_returns_the_updated_stream_are_output_minus_input():
+    # nn.TransformerEncoderLayer returns x + sa(x) + ff(...): the stream, not an increment.
+    # Brute force: the layer's own inputs and outputs, recorded by a plain forward hook.
+    case = make_torch_encoder(R)
+    seen = []
+    h = case.model.layer.register_forward_hook(lambda m, a, out: seen.append(out - a[0]))
+    try:
+        with torch.no_grad():
+            case.model(case.inputs)
+    finally:
+        h.remove()
+    brute = torch.stack([d.norm() for d in seen]).numpy()
+    explicit = lp.increments(chk.probe(case), case.inputs, increment="delta")
+    np.testing.assert_allclose(explicit.inc_norm, brute, rtol=1e-12)
+    # Unasked, loopprobe must measure the same increments or refuse to guess; cosines of
+    # the states themselves (what increment="output" measures here) are not increments.
+    try:
+        default = lp.increments(chk.probe(case), case.inputs)
+    except ValueError as e:
+        assert "increment=" in str(e)
+    else:
+        np.testing.assert_allclose(default.inc_norm, brute, rtol=1e-12)
