@@ -114,7 +114,7 @@ def input_dependence(
     within ``solve_max_iter`` JVPs (VJPs), or NaN/inf, makes the implicit value NaN with
     ``converged=False`` and the reason (the unrolled one is still computed);
     ``implicit=False`` skips it (e.g. where no fixed point was reached). ``h_star`` must be
-    a fixed point: a residual ``||T(h) - h|| / ||h||`` above ``fixed_point_tol`` makes the
+    a fixed point: a residual ``||T(h) - h|| / max(||h||, ||T(h)||)`` above ``fixed_point_tol`` makes the
     result ``converged=False`` with the residual in ``reason`` (the implicit formula
     describes no point then). Reference: DESIGN.md §4 (input-dependence).
     """
@@ -129,7 +129,8 @@ def input_dependence(
     gen = torch.Generator().manual_seed(0) if generator is None else generator
     Th, jvp_h = _linearize(lambda h: step(h, x), h_star)
     _check_same(call, h_star, Th)
-    residual = float((Th - h_star).norm() / h_star.norm().clamp_min(1e-300))
+    scale = torch.maximum(h_star.norm(), Th.norm()).clamp_min(torch.finfo(Th.dtype).tiny)
+    residual = float((Th - h_star).norm() / scale)
     _, jvp_x = _linearize(lambda u: step(h_star, u), x)
     _, vjp_hx = torch.func.vjp(step, h_star, x)
     calls, stats = [0], {"solves": 0, "failures": 0}

@@ -67,7 +67,7 @@ def test_power_iteration_and_lanczos_both_match_dense_svd():
     x = randn(2, 6)
     probe = lp.attach(model)
     blocks = dense_blocks(model.untied(), x, [f"steps.{i}." for i in range(3)])
-    power = sensitivity_norms(probe, x, max_iter=1000, tol=1e-14)
+    power = sensitivity_norms(probe, x, method="power", max_iter=1000, tol=1e-14)
     lan = sensitivity_norms(probe, x, method="lanczos", max_iter=80, tol=1e-12)
     assert_matches(power, blocks, {0: blocks})
     assert_matches(lan, blocks, {0: blocks})
