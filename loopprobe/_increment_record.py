@@ -61,9 +61,13 @@ class Collector:
         self.measured: dict[str, str] = {}
         self.evidence: dict[str, str] = {}
         self.problems: list[str] = []
+        self.tuple_outputs: set[str] = set()
+        self.skip: set[str] = set()
 
     def run(self, probe: Probe, inputs: Any, forward: Forward | None) -> Any:
-        probe.sublayers(inputs, forward=forward)  # discovery (once per probe) needs the inputs
+        subs = probe.sublayers(inputs, forward=forward)  # discovery (once per probe)
+        # Increments are the loop body's: heads, norms and embedders write no residual stream.
+        self.skip = {x.name for x in subs if x.role != "body"} if len(subs) > 1 else set()
         with torch.no_grad(), probe.session(None, self.leave, call=self.call):
             out = call_model(probe.model, inputs, forward)
         if not self.visits:
@@ -76,6 +80,13 @@ class Collector:
         return out
 
     def leave(self, v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
+        if v.sublayer in self.skip:
+            return
+        if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+            # Layers that return (hidden, extras) (Hugging Face, x-transformers): the
+            # stream-shaped first element is the output; _check_increment checks its shape.
+            self.tuple_outputs.add(v.sublayer)
+            out = out[0]
         rec = VisitRecord(v, args, kwargs, out)
         x = _stream_in(rec, self.call)
         first = self.shapes.setdefault(v.sublayer, (v.r, tuple(x.shape)))
@@ -168,6 +179,8 @@ class Collector:
                     )
                     self.evidence[s] += f", contradicted: {why}"
             self.measured[s] = _MEASURED[mode]
+            if s in self.tuple_outputs:
+                self.evidence[s] += "; the output read is element 0 of the tuple it returns"
 
     def _evidence(self, sublayer: str) -> tuple[str | None, str]:
         """``("state" | "increment" | "unknown" | None, why)`` from the chain, else the sizes.

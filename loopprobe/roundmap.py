@@ -88,7 +88,8 @@ def replay_round(
     One forward is recorded (``lp.attach(model, sublayers=[module]).record(inputs)``,
     loopprobe/visits.py). Call r of ``module`` must map the state of round r (its
     argument ``state_arg``: a position, or a keyword for ``block(x=..., h=...)``-style
-    calls) to the state of round r + 1; this is checked (the
+    calls) to the state of round r + 1 (its output, or element 0 of a ``(state, extras)``
+    tuple, as x-transformers' layers return); this is checked (the
     state passed to call r + 1 equals the output of call r to ``rtol``) and a
     ``ValueError`` says so otherwise (e.g. recall or an outer norm applied outside the
     module: name a module that contains the whole round, or write ``step`` yourself).
@@ -126,7 +127,7 @@ def replay_round(
         if input_arg is not None:
             _put(args, kwargs, input_arg, x)
         with _eval_mode(model):
-            return mod(*args, **kwargs)
+            return _state_of(mod(*args, **kwargs))
 
     empty = states[0].new_zeros(0)
     return RoundMap(step, empty if x is None else x, states[0], len(calls))
@@ -139,7 +140,15 @@ def _put(args: list, kwargs: dict, where: int | str, value: torch.Tensor) -> Non
         args[where] = value
 
 
+def _state_of(out: object) -> object:
+    """A round's new state: the output, or element 0 of a ``(state, extras)`` tuple."""
+    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return out
+
+
 def _chains(out: object, nxt: torch.Tensor, rtol: float) -> bool:
+    out = _state_of(out)
     if not isinstance(out, torch.Tensor) or out.shape != nxt.shape:
         return False
     return bool(torch.allclose(nxt, out, rtol=rtol, atol=rtol * _norm(out)))

@@ -155,12 +155,12 @@ def check_kappa_lies_in_zero_to_R(case: RealModel) -> Any:
     return rep
 
 
-def check_increments_run(case: RealModel) -> Any:
+def check_increments_run(case: RealModel, increment: Any = "auto") -> Any:
     with torch.random.fork_rng():
         torch.manual_seed(20261201)  # not a state that seeding inside the call reproduces
         torch.rand(7)
         rng = torch.get_rng_state()
-        inc = lp.increments(probe(case), case.inputs, forward=case.forward)
+        inc = lp.increments(probe(case), case.inputs, forward=case.forward, increment=increment)
         assert torch.equal(torch.get_rng_state(), rng), "lp.increments advanced the caller's RNG"
     assert len(inc.visits) == len(inc.inc_norm) > 0
     assert bool(np.isfinite(inc.inc_norm).all())

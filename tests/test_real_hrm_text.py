@@ -69,8 +69,12 @@ def test_kappa_of_each_stack_lies_between_zero_and_its_gradient_visible_visits()
     assert list(rep.sublayers.R_g) == [H * L - 1, H]
 
 
-def test_increments_run_without_touching_the_callers_rng():
-    inc = chk.check_increments_run(make_hrm_text(H, L))
+def test_increments_of_the_state_returning_stacks_need_the_choice_and_then_run():
+    # H_module(z_H, z_L) returns the new z_H; its next visit reads z_H only after HRM adds
+    # the input injection, so no chain tells state from increment: loopprobe asks.
+    with pytest.raises(ValueError, match="increment='delta' if it returns the updated stream"):
+        lp.increments(chk.probe(make_hrm_text(H, L)), make_hrm_text(H, L).inputs)
+    inc = chk.check_increments_run(make_hrm_text(H, L), increment="delta")
     assert len(inc.visits) == H * L + H
 
 
