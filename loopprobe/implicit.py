@@ -114,9 +114,9 @@ def input_dependence(
     within ``solve_max_iter`` JVPs (VJPs), or NaN/inf, makes the implicit value NaN with
     ``converged=False`` and the reason (the unrolled one is still computed);
     ``implicit=False`` skips it (e.g. where no fixed point was reached). ``h_star`` must be
-    a fixed point: a residual ``||T(h) - h|| / max(||h||, ||T(h)||)`` above ``fixed_point_tol`` makes the
-    result ``converged=False`` with the residual in ``reason`` (the implicit formula
-    describes no point then). Reference: DESIGN.md §4 (input-dependence).
+    a fixed point: a residual ``||T(h) - h|| / max(||h||, ||T(h)||)`` above
+    ``fixed_point_tol`` makes the result ``converged=False`` with the residual in ``reason``
+    (the implicit formula describes no point then). Reference: DESIGN.md §4 (input-dependence).
     """
     call = "input_dependence"
     if not callable(step):
