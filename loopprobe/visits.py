@@ -144,9 +144,15 @@ def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) ->
     return model(inputs)
 
 
+HF_OUTPUTS = ("logits", "last_hidden_state")
+
+
 def pick_output(out: Any, output: Output | None = None, *, call: str = "probe") -> torch.Tensor:
-    """The tensor F: ``output(out)`` if given, else ``out`` itself when it is a tensor."""
+    """The tensor F: ``output(out)`` if given, else ``out`` itself when it is a tensor, else
+    the ``.logits`` (or, without logits, ``.last_hidden_state``) of a Hugging Face output."""
     F = output(out) if output is not None else out
+    if output is None and not isinstance(F, torch.Tensor):
+        F = next((getattr(F, k) for k in HF_OUTPUTS if getattr(F, k, None) is not None), F)
     if not isinstance(F, torch.Tensor):
         raise TypeError(
             f"{call}: the model output is a {type(F).__name__}, not a tensor; pass "

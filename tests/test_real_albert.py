@@ -69,3 +69,15 @@ def test_spectral_radius_of_the_replayed_layer_round_is_the_dense_one():
 
 def test_probing_leaves_the_model_bit_identical():
     chk.check_probing_changes_nothing(make_albert(R), round_module=GROUP)
+
+
+def test_without_output_F_is_the_hugging_face_last_hidden_state():
+    from loopprobe.sensitivity import sensitivity_norms
+
+    case = make_albert(R)
+    probe = chk.probe(case)
+    table = probe.visit_table(case.inputs)  # no output=: BaseModelOutput -> .last_hidden_state
+    assert (table.attrs["M"], table.attrs["M_g"]) == (R, R)
+    plain = sensitivity_norms(probe, case.inputs, method="lanczos", tol=1e-12)
+    named = sensitivity_norms(probe, case.inputs, output=case.output, method="lanczos", tol=1e-12)
+    assert [e.value for e in plain.visit_norms] == [e.value for e in named.visit_norms]
