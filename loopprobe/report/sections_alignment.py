@@ -12,7 +12,15 @@ import torch
 
 import loopprobe
 from loopprobe import plots, theory
-from loopprobe.report.common import _batch, _cfg_attr, _gpt, _lm_loss, _need, first_tensor
+from loopprobe.report.common import (
+    _batch,
+    _cfg_attr,
+    _gpt,
+    _lm_loss,
+    _need,
+    first_tensor,
+    refusal_is_skip,
+)
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Skip
 from loopprobe.sweeps import grid, sweep
 
@@ -94,11 +102,8 @@ def visits_section(ctx: Context) -> Result:
         model, inputs, output = ctx.user.model, ctx.user.inputs, ctx.user.output
     else:
         model, (inputs, _) = _gpt(ctx.cfg, K=ctx.cfg.K, R=4, norm="deeploop"), _batch(ctx.cfg)
-    try:
-        with loopprobe.attach(model) as probe:
-            table = probe.visit_table(inputs, output=output)
-    except ValueError as err:
-        raise Skip(str(err)) from err
+    with refusal_is_skip(), loopprobe.attach(model) as probe:
+        table = probe.visit_table(inputs, output=output)
     M, M_g = table.attrs["M"], table.attrs["M_g"]
     values = {"J": len(table), "M": M, "M_g": M_g, "sublayers": table.to_dict("records")}
     row = {"J (sublayers)": len(table), "M (visits)": M, "M_g (grad-visible)": M_g}
@@ -269,7 +274,7 @@ def _alignment_user(ctx: Context) -> Result:
     u = ctx.user
     notes = [f"loss: {u.loss_name}"]
     with loopprobe.attach(u.model) as probe:
-        try:
+        with refusal_is_skip():
             rep = visit_alignment(
                 probe,
                 u.inputs,
@@ -278,14 +283,13 @@ def _alignment_user(ctx: Context) -> Result:
                 max_iter=ctx.cfg.power_iters,
                 tol=1e-4,
             )
-        except ValueError as err:
-            raise Skip(str(err)) from err
         values: dict[str, Any] = {"kappa": rep.kappa, "M": rep.M, "M_g": rep.M_g}
         try:
-            chk = bound_check(probe, u.inputs, u.loss_fn, output=u.output, report=rep)
+            with refusal_is_skip():
+                chk = bound_check(probe, u.inputs, u.loss_fn, output=u.output, report=rep)
             values.update(chk.to_dict())
-        except ValueError as err:
-            notes.append(f"bound check skipped: {err}")
+        except Skip as why:
+            notes.append(f"bound check skipped: {why}")
     cos = pd.DataFrame(
         [
             {"sublayer": name, "r": r, "s": s, "cosine": float(m[r, s])}
