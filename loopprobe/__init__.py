@@ -52,7 +52,7 @@ from loopprobe.instability import (
     instability,
     record_training,
 )
-from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov, operator_norm_lanczos
+from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov
 from loopprobe.lrtransfer import (
     LRTransfer,
     lr_transfer,
@@ -123,7 +123,6 @@ __all__ = [
     "models",
     "operator_norm",
     "operator_norm_krylov",
-    "operator_norm_lanczos",
     "plots",
     "sweep",
     "tasks",

@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import torch
-from scipy.sparse.linalg import LinearOperator, svds
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
 
@@ -83,42 +81,6 @@ def operator_norm(
         Estimate(float(sigma[b]), int(iters[b]), bool(done[b]), float(rel[b]), "power")
         for b in range(batch)
     ]
-
-
-def operator_norm_lanczos(
-    matvec: MatVec,
-    rmatvec: MatVec,
-    n: int,
-    m: int,
-    *,
-    dtype: torch.dtype = torch.float64,
-    tol: float = 1e-10,
-    max_iter: int | None = None,
-) -> Estimate:
-    """Spectral norm of one operator by Lanczos bidiagonalisation (``scipy.sparse.linalg.svds``).
-
-    Slower per call than batched power iteration but far more accurate when the top
-    singular values are close. ``matvec`` maps ``(n,) -> (m,)`` and ``rmatvec`` back.
-    """
-    calls = [0]
-
-    def mv(x: np.ndarray) -> np.ndarray:
-        calls[0] += 1
-        out = matvec(torch.as_tensor(np.ascontiguousarray(x).ravel(), dtype=dtype))
-        return out.detach().reshape(-1).cpu().numpy()
-
-    def rmv(y: np.ndarray) -> np.ndarray:
-        out = rmatvec(torch.as_tensor(np.ascontiguousarray(y).ravel(), dtype=dtype))
-        return out.detach().reshape(-1).cpu().numpy()
-
-    np_dtype = np.float64 if dtype == torch.float64 else np.float32
-    op = LinearOperator((m, n), matvec=mv, rmatvec=rmv, dtype=np_dtype)
-    if min(n, m) == 1:
-        x = np.ones(n, dtype=np_dtype) / np.sqrt(n)
-        value = float(np.linalg.norm(mv(x))) if n == 1 else float(np.linalg.norm(rmv(np.ones(1))))
-        return Estimate(value, 1, True, 0.0, "lanczos")
-    s = svds(op, k=1, tol=tol, maxiter=max_iter, return_singular_vectors=False, solver="arpack")
-    return Estimate(float(s[0]), calls[0], True, tol, "lanczos")
 
 
 def operator_norm_krylov(

@@ -1,11 +1,13 @@
 """Sweeps: a grid of configs x a diagnostic -> one tidy DataFrame, cached cell by cell.
 
-A *cell* is one config run through one diagnostic. Every finished cell is written to
-``cache_dir`` as soon as it completes, keyed by a stable hash of the config and the
-diagnostic's name and version, so re-plotting never recomputes and an interrupted sweep
-(Ctrl-C, a killed job) resumes where it stopped. A diagnostic that raises, or returns
-NaN/inf, becomes data: its rows carry ``diverged=True`` and the ``error`` text, and the
-sweep goes on.
+A *cell* is one config run through one diagnostic. Every finished cell is stored in
+``cache_dir`` (through ``joblib.Memory``) as soon as it completes, keyed by a stable hash
+of the config, the diagnostic's name, version and source code, so re-plotting never
+recomputes, editing the diagnostic does, and an interrupted sweep (Ctrl-C, a killed job)
+resumes where it stopped. A run that blows up becomes data: a diagnostic that raises
+(other than a programming error such as ``TypeError``) gives a row with ``diverged=True``
+and the ``error`` text, as does a NaN/inf in a column named by ``diverge_on``; the sweep
+goes on.
 
 Example::
 
@@ -17,7 +19,7 @@ Example::
         return {"rel_change": 0.3}
 
     df = lp.sweep(lp.grid(norm=["deepnorm", "deeploop"], R=[1, 2, 4, 8]), growth,
-                  cache_dir=".loopprobe-cache")
+                  cache_dir=".loopprobe-cache", diverge_on="rel_change")
     # columns: norm, R, rel_change, diverged, error
 
 This is the looped-model analogue of mup's coord-check frame: one long-format table that
@@ -29,24 +31,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import itertools
 import json
 import math
 import os
 import pathlib
-import pickle
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
+from joblib import Memory
+from joblib.func_inspect import get_func_code
 from tqdm import tqdm
 
 __all__ = ["cell_key", "grid", "sweep"]
 
 Diagnostic = Callable[[Any], Any]
-_CACHE_FORMAT = 1  # bump when the on-disk cell layout changes
 
 
 # --------------------------------------------------------------------------------- grid
@@ -104,13 +106,19 @@ def _diagnostic_id(diagnostic: Diagnostic, name: str | None) -> str:
     return f"{getattr(diagnostic, '__module__', '?')}.{qual}"
 
 
-def cell_key(config: Any, diagnostic: str, version: str | int = 0) -> str:
-    """The cache key of one cell: sha256 of the canonical config, diagnostic name and version.
+def cell_key(config: Any, diagnostic: str, version: str | int = 0, code: str = "") -> str:
+    """The cache key of one cell: sha256 of the canonical config, diagnostic name, version
+    and code fingerprint (what :func:`sweep` hands to ``joblib.Memory`` to hash).
 
     Stable across processes and Python sessions (no ``hash()``); dict key order does not
     matter; dataclass configs hash by class name and field values.
     """
-    payload = {"config": _canonical(config), "diagnostic": diagnostic, "version": str(version)}
+    payload = {
+        "config": _canonical(config),
+        "diagnostic": diagnostic,
+        "version": str(version),
+        "code": code,
+    }
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
@@ -165,32 +173,88 @@ def _rows(result: Any, call: str, where: str) -> list[dict[str, Any]]:
     )
 
 
-def _non_finite(rows: list[dict[str, Any]]) -> list[str]:
-    """Names of the columns holding a NaN or inf number in any row."""
+_PROGRAMMING_ERRORS = (
+    TypeError,
+    AttributeError,
+    NameError,
+    ImportError,
+    SyntaxError,
+    AssertionError,
+    LookupError,
+    NotImplementedError,
+)
+"""Exceptions that mean the diagnostic (or its call) is wrong: re-raised, never data."""
+
+
+class _CellFailed(Exception):
+    """Raised inside the cached function so that joblib does not store a failed cell."""
+
+    def __init__(self, cell: dict[str, Any]):
+        super().__init__(cell["error"])
+        self.cell = cell
+
+
+def _evaluate(
+    key: str,
+    *,
+    diagnostic: Diagnostic,
+    make_arg: Callable[[], Any],
+    call: str,
+    where: str,
+    cache_failed: bool,
+) -> dict[str, Any]:
+    """One cell as ``{"rows": [...], "error": text or None}``; the joblib-cached function.
+
+    ``key`` (config, diagnostic name, version and code fingerprint) is the only argument
+    joblib hashes. A diagnostic that raises a non-programming exception gives a failed
+    cell, which is raised as :class:`_CellFailed` (so not stored) unless ``cache_failed``.
+    """
+    try:
+        result = diagnostic(make_arg())
+    except (KeyboardInterrupt, SystemExit, MemoryError, *_PROGRAMMING_ERRORS):
+        raise
+    except Exception as err:  # noqa: BLE001 - a failing run (e.g. a blow-up) is data
+        cell = {"rows": [], "error": f"{type(err).__name__}: {err}"}
+        if cache_failed:
+            return cell
+        raise _CellFailed(cell) from err
+    return {"rows": _rows(result, call, where), "error": None}  # bad return type: raise
+
+
+def _non_finite(row: Mapping[str, Any], columns: Sequence[str]) -> list[str]:
+    """Those of ``columns`` that hold a NaN or inf number in ``row``."""
     bad = []
-    for row in rows:
-        for k, v in row.items():
-            if isinstance(v, (bool, np.bool_)):
-                continue
-            if isinstance(v, (int, float, np.number)) and not math.isfinite(float(v)):
-                if k not in bad:
-                    bad.append(k)
+    for k in columns:
+        v = row.get(k)
+        if isinstance(v, (bool, np.bool_)) or v is None:
+            continue
+        if isinstance(v, (int, float, np.number)) and not math.isfinite(float(v)):
+            bad.append(k)
     return bad
 
 
-def _run_cell(diagnostic: Diagnostic, make_arg: Callable[[], Any], call: str, where: str):
-    """Rows of one cell, with ``diverged`` and ``error``; ordinary exceptions become data."""
-    try:
-        result = diagnostic(make_arg())
-    except (KeyboardInterrupt, SystemExit, MemoryError):
-        raise
-    except Exception as err:  # noqa: BLE001 - a failing cell is data, not a crash
-        return [{"diverged": True, "error": f"{type(err).__name__}: {err}"}]
-    rows = _rows(result, call, where)  # a wrong return type is a usage bug: raise
+def _mark(cell: dict[str, Any], diverge_on: Sequence[str], call: str, where: str) -> list[dict]:
+    """The cell's rows with ``diverged`` and ``error`` filled in (copies; the cache is kept).
+
+    A failed cell is one row ``diverged=True`` with the exception text. Otherwise a row
+    is diverged when one of ``diverge_on`` is NaN/inf in it; NaN in any other column is a
+    value (loopprobe uses NaN for "not defined", e.g. the U norm of a visit the loss does
+    not see) and marks nothing. A row that carries its own ``diverged`` keeps it.
+    """
+    if cell["error"] is not None:
+        return [{"diverged": True, "error": cell["error"]}]
+    rows = [dict(r) for r in cell["rows"]]
     if not rows:
         return [{"diverged": False, "error": None}]
-    bad = _non_finite(rows)
+    present = {k for r in rows for k in r}
+    missing = [c for c in diverge_on if c not in present]
+    if missing:
+        raise ValueError(
+            f"{call}: diverge_on names {missing} but the diagnostic's rows for {where} have "
+            f"the columns {sorted(present)}; pass diverge_on= with columns it returns"
+        )
     for row in rows:
+        bad = _non_finite(row, diverge_on)
         if "diverged" not in row:
             row["diverged"] = bool(bad)
         if "error" not in row:
@@ -201,35 +265,26 @@ def _run_cell(diagnostic: Diagnostic, make_arg: Callable[[], Any], call: str, wh
 # ------------------------------------------------------------------------------- cache
 
 
-def _cache_path(cache_dir: pathlib.Path, key: str) -> pathlib.Path:
-    return cache_dir / f"{key}.pkl"
+def _code_fingerprint(diagnostic: Diagnostic) -> str:
+    """A hash of the diagnostic's source code, so that editing it invalidates its cells.
+
+    Functions (and the function inside a ``functools.partial``) hash their own source as
+    joblib reads it; callable objects hash their class's source. Code the diagnostic
+    calls is not included: bump ``version`` when that changes what it returns.
+    """
+    if isinstance(diagnostic, functools.partial):
+        return _code_fingerprint(diagnostic.func)
+    if hasattr(diagnostic, "__code__"):
+        source = get_func_code(diagnostic)[0]
+    else:
+        try:
+            source = inspect.getsource(type(diagnostic))
+        except (OSError, TypeError):  # defined where no source is kept (a REPL, exec)
+            source = get_func_code(type(diagnostic).__call__)[0]
+    return hashlib.sha256(source.encode()).hexdigest()[:20]
 
 
-def _load(path: pathlib.Path) -> list[dict[str, Any]] | None:
-    try:
-        with open(path, "rb") as fh:
-            blob = pickle.load(fh)
-    except (OSError, EOFError, pickle.UnpicklingError):
-        return None  # missing or half-written: recompute this cell
-    if not isinstance(blob, dict) or blob.get("format") != _CACHE_FORMAT:
-        return None
-    return blob["rows"]
-
-
-def _store(path: pathlib.Path, blob: dict[str, Any]) -> None:
-    """Write atomically: a killed process leaves either the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            pickle.dump(blob, fh, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _prepare_cache(cache_dir: str | os.PathLike | None, call: str) -> pathlib.Path | None:
+def _prepare_cache(cache_dir: str | os.PathLike | None, call: str) -> Memory | None:
     if cache_dir is None:
         return None
     path = pathlib.Path(cache_dir)
@@ -243,7 +298,20 @@ def _prepare_cache(cache_dir: str | os.PathLike | None, call: str) -> pathlib.Pa
             f"{call}: cache_dir={str(cache_dir)!r} is not a writable directory ({err}); "
             "pass another path or cache_dir=None"
         ) from err
-    return path
+    return Memory(path, verbose=0)
+
+
+def _cell(memo, key: str, kwargs: dict[str, Any], retry_failed: bool) -> dict[str, Any]:
+    """Read one cell from the cache or compute it (storing it unless it failed)."""
+    try:
+        if memo is None:
+            return _evaluate(key, **kwargs)
+        cell = memo(key, **kwargs)
+        if retry_failed and cell["error"] is not None:
+            cell = memo.call(key, **kwargs)[0]
+        return cell
+    except _CellFailed as failed:
+        return failed.cell
 
 
 # ------------------------------------------------------------------------------- sweep
@@ -257,6 +325,8 @@ def sweep(
     *,
     name: str | None = None,
     version: str | int | None = None,
+    diverge_on: str | Sequence[str] | None = None,
+    cache_failed: bool = False,
     retry_failed: bool = False,
 ) -> pd.DataFrame:
     """Run ``diagnostic`` on every config of ``grid`` and return one tidy DataFrame.
@@ -266,20 +336,30 @@ def sweep(
     passed), or ``(name, factory)`` pairs (column ``config`` = name; ``factory()`` is
     called and its result, e.g. a model, is passed). The diagnostic returns a dict (one
     row), a list of dicts, a DataFrame, or an object with ``.to_frame()``; every row gets
-    the config columns in front and the columns ``diverged`` and ``error`` at the end. A
-    diagnostic that raises (anything but KeyboardInterrupt/SystemExit/MemoryError) gives
-    one row with ``diverged=True`` and the exception text; one that returns NaN or inf
-    gets ``diverged=True`` and ``error`` naming the columns, unless its rows carry their
-    own ``diverged``. ``diagnostic`` may also be a mapping ``{name: callable}``: then each
-    config runs through each, and a ``diagnostic`` column says which.
+    the config columns in front and the columns ``diverged`` and ``error`` at the end.
+    ``diagnostic`` may also be a mapping ``{name: callable}``: then each config runs
+    through each, and a ``diagnostic`` column says which.
 
-    With ``cache_dir`` each finished cell is written at once to
-    ``cache_dir/<key>.pkl``, ``key = cell_key(config, name, version)``; a later call with
-    the same cells reads them instead of calling the diagnostic (a ``(name, factory)``
-    pair is keyed by its name only). ``name`` defaults to the diagnostic's
-    ``module.qualname`` (required for lambdas); ``version`` defaults to the diagnostic's
-    ``version`` attribute or 0: bump it when the diagnostic's meaning changes. Failed
-    cells are cached too; ``retry_failed=True`` recomputes them.
+    Divergence and failure. A row is ``diverged`` when one of the ``diverge_on`` columns
+    (default: the diagnostic's ``diverge_on`` attribute, else none) is NaN or inf in that
+    row, unless the row carries its own ``diverged``. NaN in other columns is a value, not
+    a divergence: loopprobe reports NaN where a quantity is undefined (the U norm of a
+    visit the loss does not see, ``cos_G_adjacent`` at R = 1). A diagnostic that raises
+    gives one row ``diverged=True`` with the exception text, except for exceptions that
+    mean the code is wrong (``TypeError``, ``AttributeError``, ``NameError``,
+    ``ImportError``, ``LookupError``, ``AssertionError``, ``NotImplementedError``), which
+    propagate, as do KeyboardInterrupt, SystemExit and MemoryError.
+
+    Cache. With ``cache_dir`` each cell is stored through ``joblib.Memory`` as soon as it
+    finishes, so a later call reads it instead of calling the diagnostic and an
+    interrupted sweep resumes with the unfinished cells. The key is
+    ``cell_key(config, name, version, code)``: ``name`` defaults to the diagnostic's
+    ``module.qualname`` (required for lambdas; a ``(name, factory)`` pair is keyed by its
+    name only), ``version`` to the diagnostic's ``version`` attribute or 0, and ``code``
+    is a hash of the diagnostic's source, so editing the diagnostic recomputes its cells;
+    bump ``version`` when code it calls changes what it returns. Cells whose diagnostic
+    raised are not stored unless ``cache_failed=True``; ``retry_failed=True`` recomputes
+    stored failed cells.
     """
     call = "sweep"
     if isinstance(diagnostic, Mapping):
@@ -292,6 +372,8 @@ def sweep(
                 progress,
                 name=diag_name,
                 version=version,
+                diverge_on=diverge_on,
+                cache_failed=cache_failed,
                 retry_failed=retry_failed,
             )
             frames.append(df.assign(diagnostic=diag_name))
@@ -303,13 +385,19 @@ def sweep(
         )
     items = list(grid)
     diag_id = _diagnostic_id(diagnostic, name)
-    cache = _prepare_cache(cache_dir, call)
-    if cache is not None and name is None and "<lambda>" in diag_id:
+    memory = _prepare_cache(cache_dir, call)
+    if memory is not None and name is None and "<lambda>" in diag_id:
         raise ValueError(
             f"{call}: cannot key the cache by a lambda ({diag_id}); pass name='...' "
             "(and bump version= when it changes) or use a named function"
         )
     ver = version if version is not None else getattr(diagnostic, "version", 0)
+    columns_to_check = _diverge_columns(diverge_on, diagnostic, call)
+    code = _code_fingerprint(diagnostic) if memory is not None else ""
+    memo = None
+    if memory is not None:
+        ignore = ["diagnostic", "make_arg", "call", "where", "cache_failed"]
+        memo = memory.cache(_evaluate, ignore=ignore)
     cells = [_normalise_item(item, call) for item in items]
 
     out: list[dict[str, Any]] = []
@@ -322,31 +410,32 @@ def sweep(
     )
     for columns, hashable, make_arg in bar:
         where = f"config {columns}"
-        rows = None
-        if cache is not None:
-            path = _cache_path(cache, cell_key(hashable, diag_id, ver))
-            rows = _load(path)
-            if rows is not None and retry_failed and any(r.get("diverged") for r in rows):
-                rows = None
-        if rows is None:
-            rows = _run_cell(diagnostic, make_arg, call, where)
-            if cache is not None:
-                _store(
-                    path,
-                    {
-                        "format": _CACHE_FORMAT,
-                        "config": _canonical(hashable),
-                        "diagnostic": diag_id,
-                        "version": str(ver),
-                        "rows": rows,
-                    },
-                )
-        for row in rows:
+        kwargs = {
+            "diagnostic": diagnostic,
+            "make_arg": make_arg,
+            "call": call,
+            "where": where,
+            "cache_failed": cache_failed,
+        }
+        key = cell_key(hashable, diag_id, ver, code)
+        for row in _mark(_cell(memo, key, kwargs, retry_failed), columns_to_check, call, where):
             merged = dict(columns)
             merged.update(row)
             out.append(merged)
     bar.close()
     return _tidy(out)
+
+
+def _diverge_columns(diverge_on: Any, diagnostic: Diagnostic, call: str) -> tuple[str, ...]:
+    value = diverge_on if diverge_on is not None else getattr(diagnostic, "diverge_on", ())
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, Iterable) or not all(isinstance(c, str) for c in value):
+        raise TypeError(
+            f"{call}: diverge_on must be a column name or a list of column names, "
+            f"got {value!r}; e.g. diverge_on=['loss']"
+        )
+    return tuple(value)
 
 
 def _tidy(rows: list[dict[str, Any]]) -> pd.DataFrame:

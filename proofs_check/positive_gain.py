@@ -12,7 +12,14 @@ between grid points); draws with ``small_slope`` make A small and the step long;
 phi from ``lp.path_gains`` on 101 points. Assert
 phi(alpha) >= alpha A - L_D alpha^2 / 2 - 1e-10 on the grid and phi(alpha) > 0 on the grid
 points inside (0, min(1, 2A/L_D)). ``target`` minimises the relative slack;
-``@example`` pins the quadratic utility, where phi'' = -L_D and the bound is an equality.
+``@example`` pins the quadratic utility, where phi'' = -L_D and the bound is an equality:
+there phi(alpha) = alpha A - L_D alpha^2 / 2 is asserted to 1e-9 (1 + |D|^2), so a wrong
+constant in A or Q (and so in L_D) fails.
+
+Check (exact, float64): the library's A = phi'(0) and Q = phi''(0)/2 (forward-mode AD in
+``lp.finite_step``) against central finite differences of phi computed here from the
+utility itself (Richardson-extrapolated, step 1e-2/|D|):
+|A - A_fd| <= 1e-6 |D| and |Q - Q_fd| <= 1e-6 |D|^2 (observed <= 3e-9 |D|^2).
 
 Wrong variant: "A > 0 implies a positive full step, phi(1) > 0" -- finite-step failures
 (pinned: the quadratic utility with L_D > 2A) refute it.
@@ -25,6 +32,7 @@ observable from finitely many points; the paper also reports it is loose: median
 from __future__ import annotations
 
 import numpy as np
+import torch
 from hypothesis import example, given, target
 from hypothesis import strategies as st
 
@@ -81,11 +89,70 @@ def check(profile: Profile) -> Outcome:
         tight.see(slack, f"{kind}, scale {scale:.2g}")
         assert np.all(phi >= lower - 1e-10), float(np.min(phi - lower))
         assert np.all(phi[inside] > 0), float(np.min(phi[inside]))
+        if kind == "quadratic":  # phi'' = 2Q = -L_D everywhere: the bound is an equality
+            n2 = float(path.D.norm()) ** 2
+            assert np.max(np.abs(phi - lower)) <= 1e-9 * (1 + n2), float(np.max(phi - lower))
 
     why = falsified(prop)
     return Outcome(
         why is None,
         f"closest approach (lower - phi)/(alpha A) = {tight.ratio:.1e} at {tight.where} "
+        f"({tight.count} paths)" + (f"; {why}" if why else ""),
+    )
+
+
+def finite_differences(path) -> tuple[float, float, float]:
+    """(A, Q, |D|) from central differences of phi(a) = U(H + a D) - U(H), Richardson-
+    extrapolated; U is the path's utility or the mean reference-token log-probability,
+    written out here (not the library's)."""
+    U = path.utility
+    if U is None:
+
+        def U(h: torch.Tensor) -> torch.Tensor:
+            logp = torch.log_softmax(path.readout(h), -1)
+            return logp.gather(-1, path.targets.unsqueeze(-1)).squeeze(-1).mean(1)
+
+    n = float(path.D.norm())
+
+    def phi(a: float) -> float:
+        return float(U(path.H + a * path.D)[0] - U(path.H)[0])
+
+    def d1(h: float) -> float:
+        return (phi(h) - phi(-h)) / (2 * h)
+
+    def d2(h: float) -> float:
+        return (phi(h) + phi(-h)) / h**2
+
+    h = 1e-2 / n
+    return (4 * d1(h / 2) - d1(h)) / 3, (4 * d2(h / 2) - d2(h)) / 6, n
+
+
+@statement("A = phi'(0), Q = phi''(0)/2 match finite differences of phi", REF, "exact")
+def check_taylor_terms(profile: Profile) -> Outcome:
+    tight = Tightest()
+
+    @profile.hypothesis(examples=25)
+    @given(
+        seed=st.integers(0, 10**5),
+        kind=st.sampled_from(KINDS),
+        scale=st.floats(0.01, 4.0),
+        small=st.booleans(),
+    )
+    @example(seed=0, kind="quadratic", scale=1.0, small=False)
+    @example(seed=0, kind="mlp", scale=4.0, small=True)
+    def prop(seed, kind, scale, small):
+        path = make(seed, kind, scale, small)
+        t = path.taylor()
+        A, Q, n = finite_differences(path)
+        err = max(abs(float(t.A[0]) - A) / n, abs(float(t.Q[0]) - Q) / n**2)
+        target(err, label="max(|dA|/|D|, |dQ|/|D|^2)")
+        tight.see(err, f"{kind}, scale {scale:.2g}")
+        assert err <= 1e-6, (float(t.A[0]), A, float(t.Q[0]), Q, n)
+
+    why = falsified(prop)
+    return Outcome(
+        why is None,
+        f"max(|A - A_fd|/|D|, |Q - Q_fd|/|D|^2) = {tight.ratio:.1e} at {tight.where} "
         f"({tight.count} paths)" + (f"; {why}" if why else ""),
     )
 

@@ -18,6 +18,12 @@ Checks:
   reports ||Delta F|| / ||F|| after one real SGD step and kappa_R (Lanczos on JVP/VJP);
   the implied constant C = (||Delta F|| / ||F||) / (M kappa_R (beta/alpha)^2) stays within a
   factor 2 over R = 1..8 and both exponents.
+- exact (Eq. 14-16 against the library): ``lp.bound_check``'s prediction on the same
+  sweep is M_g kappa_R (beta/alpha)^2 with the seed's constants, so prediction / kappa_R
+  is known in closed form: 1/2 for DeepNorm (M (beta/alpha)^2 = 2N / (4N)) and
+  1/(8KR) for DeepLoop (so R prediction / kappa_R = M R (beta/alpha)^2 = 1/(8K)); both to
+  1e-12. The slope and band checks cannot see a constant factor in the prediction; this
+  one does.
 - rate (Cor. A.6) on the reference LoopedGPT at init (K = 2, R = 1..8, one SGD step,
   lr 1e-3): visits are close to aligned (the post-norm stream moves by O(beta/alpha) per
   visit), and the implied constant ||Delta F|| / (eta M R (beta/alpha)^2) stays within a
@@ -115,6 +121,25 @@ def check_measured_kappa(profile: Profile) -> Outcome:
         band(C) <= 2 and conv,
         f"C band {band(C):.3f} <= 2 over R={list(Rs)} x (p=1/4, 1/2); measured kappa_R at "
         f"R={Rs[-1]}: {kap} (lp.bound_check, Lanczos, {state})",
+    )
+
+
+@statement(
+    "Eq 14-16: bound_check prediction / kappa_R = 1/2 (DeepNorm), 1/(8KR) (DeepLoop)", REF, "exact"
+)
+def check_prediction_constants(profile: Profile) -> Outcome:
+    Rs, K = _rs(profile), 2
+    exact = {"deepnorm": lambda R: 0.5, "deeploop": lambda R: 1 / (8 * K * R)}
+    errs = {
+        n: max(abs(r["prediction"] / r["kappa"] / exact[n](r["R"]) - 1) for r in lp_sweep(n, Rs))
+        for n in exact
+    }
+    loop = [r["R"] * r["prediction"] / r["kappa"] for r in lp_sweep("deeploop", Rs)]
+    return Outcome(
+        max(errs.values()) <= 1e-12,
+        f"rel err of prediction/kappa_R: deepnorm {errs['deepnorm']:.0e} (want 1/2), deeploop "
+        f"{errs['deeploop']:.0e}; R prediction/kappa_R = {min(loop):.6g}..{max(loop):.6g} "
+        f"(1/(8K) = {1 / (8 * K):.6g}) over R={list(Rs)}",
     )
 
 

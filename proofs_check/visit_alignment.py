@@ -16,11 +16,12 @@ Checks:
   (the equality case kappa = R) and cancelling visits (kappa = 0).
 - exact, on the reference LinearLoop (h <- h + eps W h), measured with
   ``lp.visit_alignment`` (Lanczos on JVP/VJP; convergence required) and by brute force
-  (``lp.attach``'s per-visit parameter swap and dense ``jacrev``; the two must agree to
-  1e-6): (a) aligned: eps = 1e-6 so every visit reads
-  h_r ~ x, kappa/R >= 1 - 1e-4 for R = 2, 4, 8; (b) orthogonal: W = P - I with P the cyclic
-  shift, eps = 1 and x = e_1, so visit r reads e_{r+1}: the U_r act on disjoint columns of
-  the weight and kappa = 1 exactly (analytically sqrt(R) sqrt(R) / R) for every R <= d.
+  (dense ``jacrev`` of an explicitly untied twin written out here, one weight per visit,
+  which uses nothing of the library; the two must agree to 1e-6): (a) aligned:
+  eps = 1e-6 so every visit reads h_r ~ x, kappa/R >= 1 - 1e-4 for R = 2, 4, 8;
+  (b) orthogonal: W = P - I with P the cyclic shift, eps = 1 and x = e_1, so visit r reads
+  e_{r+1}: the U_r act on disjoint columns of the weight and kappa = 1 exactly
+  (analytically sqrt(R) sqrt(R) / R) for every R <= d.
 
 Wrong variant: "tied visits never add coherently: kappa_R <= 1": the aligned LinearLoop has
 kappa = R.
@@ -112,20 +113,29 @@ def linear_loop_kappa(R: int, regime: str, d: int = 8) -> tuple[float, float, bo
             )
         x = torch.eye(d, dtype=torch.float64)[:1]
     y = torch.randn(x.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-    probe = lp.attach(model)
     W = model.W.weight.detach()
+    eps = model.cfg.step_size
 
-    def F(deltas: torch.Tensor) -> torch.Tensor:
-        with probe.session(lambda v, mod, args, kw: [W + deltas[v.r]]):
-            return model(x).reshape(-1)
+    def untied(Ws: torch.Tensor) -> torch.Tensor:
+        """The explicitly untied twin: visit r applies its own weight Ws[r]."""
+        h = x
+        for r in range(R):
+            h = h + eps * h @ Ws[r].T
+        return h.reshape(-1)
 
-    J = jacrev(F)(torch.zeros(R, d, d, dtype=torch.float64))
+    tied = W.expand(R, d, d).clone()
+    assert torch.allclose(untied(tied), model(x).reshape(-1), rtol=1e-13, atol=0)
+    J = jacrev(untied)(tied)
     Us = [J[:, r].reshape(J.shape[0], -1) for r in range(R)]
-    dLdF = F(torch.zeros(R, d, d, dtype=torch.float64)) - y.reshape(-1)  # L = |F - y|^2 / 2
+    dLdF = untied(tied) - y.reshape(-1)  # L = |F - y|^2 / 2
     Gs = [U.t() @ dLdF for U in Us]
     brute = kappa(Us, Gs, max(opnorm(U) for U in Us), max(float(G.norm()) for G in Gs))
     rep = lp.visit_alignment(
-        probe, x, lambda out, inp: 0.5 * (out - y).pow(2).sum(), method="lanczos", max_iter=30
+        lp.attach(model),
+        x,
+        lambda out, inp: 0.5 * (out - y).pow(2).sum(),
+        method="lanczos",
+        max_iter=30,
     )
     return rep.kappa, brute, bool(rep.sublayers.converged.all())
 

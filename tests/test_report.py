@@ -67,7 +67,6 @@ def test_the_alignment_section_reports_kappa_per_R_and_fitted_next_to_predicted_
     assert sorted({(r["norm"], r["R"]) for r in rows}) == sorted(
         (n, R) for n in cfg.norms for R in cfg.Rs
     )
-    assert all(r["kappa"] == pytest.approx(1.0, abs=1e-6) for r in rows if r["R"] == 1)
     slopes = {s["scheme"]: s for s in sec["values"]["slopes"]}
     assert slopes["deepnorm"]["predicted slope"] == 1.0
     assert slopes["deeploop"]["predicted slope"] == 0.0
@@ -175,6 +174,19 @@ def broken():
     raise RuntimeError("no weights here")
 
 
+class BadForward(Loop):
+    def forward(self, x):
+        raise ValueError("user forward: shapes (4, 6) and (5, 6) do not match")
+
+
+def make_bad_forward():
+    return BadForward()
+
+
+def make_unlooped():
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
 NOT_CALLABLE = 3
 '''
 
@@ -223,6 +235,50 @@ def test_a_user_model_runs_what_applies_and_says_why_the_rest_was_skipped(
     assert "[theory] Theory: scales and predicted bounds (0.0 s): SKIPPED: needs model.cfg" in text
     html = (out / "index.html").read_text()
     assert "skipped</b>: needs the round map" in html
+
+
+def run_user_report(out, factory, sections="visits,alignment,increments") -> dict:
+    argv = ["report", "--model", f"usermodels_lp:{factory}", "--inputs", "usermodels_lp:batch"]
+    main([*argv, "--out", str(out), "--no-progress", "--sections", sections])
+    return json.loads((out / "results.json").read_text())
+
+
+def test_an_error_inside_a_section_is_failed_with_its_reason_not_skipped(user_pkg, tmp_path):
+    results = run_user_report(tmp_path / "r", "make_bad_forward")
+    sections = results["sections"]
+    for key in ("visits", "alignment", "increments"):
+        assert sections[key]["status"] == "failed"
+        assert sections[key]["reason"] == (
+            "ValueError: user forward: shapes (4, 6) and (5, 6) do not match"
+        )
+    assert results["failed"] == ["visits", "alignment", "increments"]
+    assert results["skipped"] == []
+    html = (tmp_path / "r" / "index.html").read_text()
+    assert "<b>3 section(s) raised an error</b>" in html
+    assert "failed</b>: ValueError: user forward: shapes" in html
+    assert "skipped</b>" not in html
+
+
+def test_a_model_the_measurement_does_not_apply_to_is_skipped_with_the_reason(user_pkg, tmp_path):
+    results = run_user_report(tmp_path / "r", "make_unlooped", sections="visits,alignment")
+    for key in ("visits", "alignment"):
+        assert results["sections"][key]["status"] == "skipped"
+        assert "nothing is looped" in results["sections"][key]["reason"]
+    assert results["failed"] == [] and results["skipped"] == ["visits", "alignment"]
+
+
+def test_a_broken_import_inside_an_estimator_module_fails_instead_of_skipping(
+    tmp_path, monkeypatch
+):
+    from loopprobe.report.common import _need
+    from loopprobe.report.config import Skip
+
+    (tmp_path / "estimator_lp.py").write_text("from no_such_dependency_lp import solve\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="no_such_dependency_lp"):
+        _need("estimator_lp", 99)
+    with pytest.raises(Skip, match="missing_estimator_lp is not available"):
+        _need("missing_estimator_lp", 99)
 
 
 @pytest.mark.parametrize(

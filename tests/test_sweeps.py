@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
+import sys
 
 import pandas as pd
 import pytest
+from thirdparty_models import TruncatedModel, make, randn
 
 import loopprobe as lp
 from loopprobe.sweeps import cell_key
+
+
+def stored_cells(cache_dir) -> list:
+    """The cell results joblib.Memory wrote under ``cache_dir``."""
+    return sorted(cache_dir.rglob("output.pkl"))
 
 
 class Counter:
     """A diagnostic that counts its calls: y = a * R, optionally failing on one config."""
 
     version = 1
+    diverge_on = ("y",)
 
     def __init__(self, fail_on=None, nan_on=None, interrupt_after=None):
         self.calls = 0
@@ -67,13 +76,14 @@ def test_second_run_reads_the_cache_and_does_not_call_the_diagnostic(tmp_path):
     second = lp.sweep(lp.grid(a=[1, 2], R=[1, 2, 4]), again, cache_dir=tmp_path, progress=False)
     assert again.calls == 0
     pd.testing.assert_frame_equal(first, second)
-    assert len(list(tmp_path.glob("*.pkl"))) == 6
+    assert len(stored_cells(tmp_path)) == 6
 
 
 def test_cache_key_ignores_dict_order_but_not_values_or_version():
     assert cell_key({"a": 1, "R": 2}, "d") == cell_key({"R": 2, "a": 1}, "d")
     assert cell_key({"a": 1, "R": 2}, "d") != cell_key({"a": 1, "R": 4}, "d")
     assert cell_key({"a": 1}, "d", version=1) != cell_key({"a": 1}, "d", version=2)
+    assert cell_key({"a": 1}, "d", code="f1") != cell_key({"a": 1}, "d", code="f2")
     assert len(cell_key({"a": 1}, "d")) == 20
 
 
@@ -90,7 +100,7 @@ def test_an_interrupted_sweep_resumes_with_only_the_unfinished_cells(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         lp.sweep(cells, broken, cache_dir=tmp_path, progress=False, name="c")
     assert broken.calls == 4
-    assert len(list(tmp_path.glob("*.pkl"))) == 4
+    assert len(stored_cells(tmp_path)) == 4
     resumed = Counter()
     df = lp.sweep(cells, resumed, cache_dir=tmp_path, progress=False, name="c")
     assert resumed.calls == 2
@@ -100,7 +110,7 @@ def test_an_interrupted_sweep_resumes_with_only_the_unfinished_cells(tmp_path):
 def test_a_half_written_cache_file_is_recomputed(tmp_path):
     diag = Counter()
     lp.sweep(lp.grid(a=[1], R=[1]), diag, cache_dir=tmp_path, progress=False, name="c")
-    (path,) = tmp_path.glob("*.pkl")
+    (path,) = stored_cells(tmp_path)
     path.write_bytes(path.read_bytes()[:10])
     df = lp.sweep(lp.grid(a=[1], R=[1]), diag, cache_dir=tmp_path, progress=False, name="c")
     assert diag.calls == 2 and df["y"].tolist() == [1]
@@ -113,19 +123,89 @@ def test_a_nan_result_is_a_diverged_row_and_the_sweep_goes_on():
     assert df.loc[2, "y"] == 4
 
 
-def test_a_raising_diagnostic_is_a_diverged_row_with_the_error_text(tmp_path):
+def test_a_raising_diagnostic_is_a_diverged_row_with_the_error_text_and_is_not_cached(tmp_path):
     diag = Counter(fail_on=2)
     df = lp.sweep(lp.grid(a=[1], R=[1, 2, 4]), diag, cache_dir=tmp_path, progress=False)
     assert df["diverged"].tolist() == [False, True, False]
     assert df.loc[1, "error"] == "RuntimeError: loss exploded"
     assert math.isnan(df.loc[1, "y"])
-    # failed cells are cached (re-plotting never recomputes) unless retry_failed=True
+    assert len(stored_cells(tmp_path)) == 2
     lp.sweep(lp.grid(a=[1], R=[1, 2, 4]), diag, cache_dir=tmp_path, progress=False)
-    assert diag.calls == 3
-    lp.sweep(
-        lp.grid(a=[1], R=[1, 2, 4]), diag, cache_dir=tmp_path, progress=False, retry_failed=True
+    assert diag.calls == 4  # only the failed cell ran again
+
+
+def test_failed_cells_are_cached_when_asked_and_retry_failed_recomputes_them(tmp_path):
+    diag, cells = Counter(fail_on=2), lp.grid(a=[1], R=[1, 2, 4])
+    lp.sweep(cells, diag, cache_dir=tmp_path, progress=False, cache_failed=True)
+    again = lp.sweep(cells, diag, cache_dir=tmp_path, progress=False, cache_failed=True)
+    assert diag.calls == 3 and len(stored_cells(tmp_path)) == 3
+    assert again.loc[1, "error"] == "RuntimeError: loss exploded"
+    diag.fail_on = None
+    fixed = lp.sweep(cells, diag, tmp_path, progress=False, cache_failed=True, retry_failed=True)
+    assert diag.calls == 4 and fixed["y"].tolist() == [1, 2, 4]
+
+
+@pytest.mark.parametrize("error", [TypeError, AttributeError, KeyError, NameError])
+def test_a_programming_error_in_the_diagnostic_is_raised_not_recorded_as_divergence(error):
+    def broken(cfg):
+        raise error("a bug in the diagnostic")
+
+    with pytest.raises(error, match="a bug in the diagnostic"):
+        lp.sweep(lp.grid(R=[1, 2]), broken, progress=False)
+
+
+def test_only_the_diverge_on_columns_mark_a_row_diverged_and_only_that_row():
+    def per_visit(cfg):
+        # U_norm NaN = undefined (a visit the loss does not see); loss NaN = a blow-up
+        return [
+            {"visit": 0, "U_norm": math.nan, "loss": 1.0},
+            {"visit": 1, "U_norm": 2.0, "loss": math.nan if cfg["R"] == 2 else 1.0},
+        ]
+
+    plain = lp.sweep(lp.grid(R=[1, 2]), per_visit, progress=False)
+    assert not plain["diverged"].any() and plain["error"].isna().all()
+    marked = lp.sweep(lp.grid(R=[1, 2]), per_visit, progress=False, diverge_on="loss")
+    assert marked["diverged"].tolist() == [False, False, False, True]
+    assert marked["error"].iloc[3] == "non-finite values in loss"
+    assert marked["error"].iloc[:3].isna().all()
+
+
+def test_diverge_on_a_column_the_diagnostic_does_not_return_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"sweep: diverge_on names \['loss'\]"):
+        lp.sweep(lp.grid(R=[1]), lambda c: {"y": 1.0}, progress=False, diverge_on=["loss"])
+    with pytest.raises(TypeError, match="sweep: diverge_on must be a column name"):
+        lp.sweep(lp.grid(R=[1]), lambda c: {"y": 1.0}, progress=False, diverge_on=3)
+
+
+def test_a_healthy_truncated_model_alignment_with_documented_nans_is_not_diverged():
+    def alignment(model):
+        rep = lp.attach(model).alignment(x, lambda out, _: ((out - target) ** 2).sum())
+        return rep.to_frame()
+
+    x, target = randn(3, 6), randn(3, 6, seed=7)
+    df = lp.sweep(
+        [("truncated", lambda: make(TruncatedModel, C=3, C_L=2))], alignment, progress=False
     )
-    assert diag.calls == 4
+    assert len(df) == 9 and df["U_norm"].isna().sum() == 6  # the no_grad cycles' visits
+    assert not df["diverged"].any()
+
+
+def test_editing_the_diagnostic_source_invalidates_its_cached_cells(tmp_path, monkeypatch):
+    module = tmp_path / "src" / "edited_diag.py"
+    module.parent.mkdir()
+    module.write_text("def diag(cfg):\n    return {'y': 1}\n")
+    monkeypatch.syspath_prepend(str(module.parent))
+    import edited_diag
+
+    cache = tmp_path / "cache"
+    assert lp.sweep(lp.grid(R=[1]), edited_diag.diag, cache, progress=False)["y"].item() == 1
+    module.write_text("def diag(cfg):\n    return {'y': 2}\n")
+    importlib.reload(edited_diag)
+    try:
+        df = lp.sweep(lp.grid(R=[1]), edited_diag.diag, cache, progress=False)
+    finally:
+        sys.modules.pop("edited_diag", None)
+    assert df["y"].item() == 2
 
 
 def test_a_diagnostic_may_report_its_own_divergence():

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import pathlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import loopprobe
 from loopprobe import tasks
 from loopprobe.cli._common import load_object
 from loopprobe.report.config import ReportConfig, Skip, UserModel
@@ -71,12 +74,50 @@ def _cfg_attr(model: nn.Module, *names: str) -> dict[str, Any] | None:
 
 
 def _need(module: str, issue: int) -> Any:
+    """The module, or Skip when it is not part of this install.
+
+    Only a missing ``module`` itself is a skip; any other ImportError (a broken import
+    inside it) propagates, so the section is reported failed with the reason.
+    """
     import importlib
 
     try:
         return importlib.import_module(module)
-    except ImportError as err:
+    except ModuleNotFoundError as err:
+        if err.name is None or not module.startswith(err.name):
+            raise
         raise Skip(f"{module} is not available in this install ({err}; issue {issue})") from err
+
+
+_LIBRARY = pathlib.Path(loopprobe.__file__).resolve().parent
+
+
+def _raised_by_library_check(err: BaseException) -> bool:
+    """Whether ``err`` was raised by loopprobe itself (outside the report), i.e. one of
+    its input checks refusing the model, rather than by the user's code, torch or us."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = pathlib.Path(tb.tb_frame.f_code.co_filename).resolve()
+    return where.is_relative_to(_LIBRARY) and not where.is_relative_to(_LIBRARY / "report")
+
+
+@contextlib.contextmanager
+def refusal_is_skip() -> Iterator[None]:
+    """Turn loopprobe's refusal of a model (a ValueError from its input checks, which says
+    why the measurement does not apply) into :class:`Skip`.
+
+    Everything else propagates and the section is reported *failed*: a ValueError raised
+    in the user's model or in torch, and every other exception.
+    """
+    try:
+        yield
+    except ValueError as err:
+        if _raised_by_library_check(err):
+            raise Skip(str(err)) from err
+        raise
 
 
 def _call_with_model(fn: Callable, model: nn.Module) -> Any:

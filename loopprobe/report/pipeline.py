@@ -76,7 +76,7 @@ def run_report(
         try:
             res: Result | str = section.run(ctx)
             status = "ok"
-        except Skip as why:
+        except Skip as why:  # the section does not apply to this model: not an error
             res, status = str(why), "skipped"
         except Exception as err:  # noqa: BLE001 - one failing section must not lose the rest
             res, status = f"{type(err).__name__}: {err}", "failed"
@@ -131,6 +131,8 @@ def _write(outdir: pathlib.Path, ctx: Context, done: list, command: str, runtime
         "config": config,
         "sections": {s.key: sections[s.key] for s in SECTIONS if s.key in sections},
     }
+    for status in ("failed", "skipped"):
+        results[status] = [k for k, v in results["sections"].items() if v["status"] == status]
     (outdir / "results.json").write_text(json.dumps(to_jsonable(results), indent=2))
     (outdir / "index.html").write_text(render_html(results, outdir))
     return results

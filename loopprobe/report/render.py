@@ -46,7 +46,17 @@ def format_summary(done: list, results: dict) -> str:
         f"wrote {results['out']}/index.html, results.json, {n_png} figures and CSVs "
         f"in {results['runtime_s']:.0f} s"
     )
-    return "\n".join(lines)
+    lines += [_status_line(results, status) for status in ("failed", "skipped")]
+    return "\n".join(ln for ln in lines if ln is not None)
+
+
+def _status_line(results: dict, status: str) -> str | None:
+    """``FAILED: a (reason); b (reason)``: a failure is an error to look at, a skip is not."""
+    keys = results.get(status, [])
+    if not keys:
+        return None
+    why = "; ".join(f"{k} ({results['sections'][k]['reason']})" for k in keys)
+    return f"{status.upper()} ({'an error' if status == 'failed' else 'does not apply'}): {why}"
 
 
 _CSS = """
@@ -87,8 +97,16 @@ def render_html(results: dict, outdir: pathlib.Path) -> str:
         f"<code>{e(results['command'])}</code> · data: <a href='results.json'>results.json</a>"
         "</p><nav>",
     ]
-    parts += [f"<a href='#{key}'>{e(key)}</a>" for key in results["sections"]]
+    for key, entry in results["sections"].items():
+        st = entry["status"]
+        mark = "" if st == "ok" else f" <span class='{st}'>({st})</span>"
+        parts.append(f"<a href='#{key}'>{e(key)}</a>{mark}")
     parts.append("</nav>")
+    for status, meaning in (("failed", "raised an error"), ("skipped", "do not apply")):
+        keys = [k for k, v in results["sections"].items() if v["status"] == status]
+        if keys:
+            head = f"{len(keys)} section(s) {meaning}"
+            parts.append(f"<p class='{status}'><b>{head}</b>: {e(', '.join(keys))}</p>")
     for key, entry in results["sections"].items():
         parts += [
             f"<h2 id='{key}'>{e(entry['title'])}</h2>",

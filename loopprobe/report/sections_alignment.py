@@ -12,7 +12,15 @@ import torch
 
 import loopprobe
 from loopprobe import plots, theory
-from loopprobe.report.common import _batch, _cfg_attr, _gpt, _lm_loss, _need, first_tensor
+from loopprobe.report.common import (
+    _batch,
+    _cfg_attr,
+    _gpt,
+    _lm_loss,
+    _need,
+    first_tensor,
+    refusal_is_skip,
+)
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Skip
 from loopprobe.sweeps import grid, sweep
 
@@ -94,12 +102,9 @@ def visits_section(ctx: Context) -> Result:
         model, inputs, output = ctx.user.model, ctx.user.inputs, ctx.user.output
     else:
         model, (inputs, _) = _gpt(ctx.cfg, K=ctx.cfg.K, R=4, norm="deeploop"), _batch(ctx.cfg)
-    try:
-        with loopprobe.attach(model) as probe:
-            forward = ctx.user.forward if ctx.user is not None else None
-            table = probe.visit_table(inputs, forward=forward, output=output)
-    except ValueError as err:
-        raise Skip(str(err)) from err
+    forward = ctx.user.forward if ctx.user is not None else None
+    with refusal_is_skip(), loopprobe.attach(model) as probe:
+        table = probe.visit_table(inputs, forward=forward, output=output)
     M, M_g = table.attrs["M"], table.attrs["M_g"]
     values = {"J": len(table), "M": M, "M_g": M_g, "sublayers": table.to_dict("records")}
     row = {"J (sublayers)": len(table), "M (visits)": M, "M_g (grad-visible)": M_g}
@@ -270,7 +275,7 @@ def _alignment_user(ctx: Context) -> Result:
     u = ctx.user
     notes = [f"loss: {u.loss_name}"]
     with loopprobe.attach(u.model) as probe:
-        try:
+        with refusal_is_skip():
             rep = visit_alignment(
                 probe,
                 u.inputs,
@@ -280,23 +285,22 @@ def _alignment_user(ctx: Context) -> Result:
                 max_iter=ctx.cfg.power_iters,
                 tol=1e-4,
             )
-        except ValueError as err:
-            raise Skip(str(err)) from err
         values: dict[str, Any] = {"kappa": rep.kappa, "M": rep.M, "M_g": rep.M_g}
         try:
-            chk = bound_check(
-                probe,
-                u.inputs,
-                u.loss_fn,
-                forward=u.forward,
-                output=u.output,
-                alpha=u.alpha,
-                beta=u.beta,
-                report=rep,
-            )
+            with refusal_is_skip():
+                chk = bound_check(
+                    probe,
+                    u.inputs,
+                    u.loss_fn,
+                    forward=u.forward,
+                    output=u.output,
+                    alpha=u.alpha,
+                    beta=u.beta,
+                    report=rep,
+                )
             values.update(chk.to_dict())
-        except ValueError as err:
-            notes.append(f"bound check skipped: {err} (loopprobe report: --alpha and --beta)")
+        except Skip as why:
+            notes.append(f"bound check skipped: {why} (loopprobe report: --alpha and --beta)")
     cos = pd.DataFrame(
         [
             {"sublayer": name, "r": r, "s": s, "cosine": float(m[r, s])}

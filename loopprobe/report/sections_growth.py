@@ -7,7 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-from loopprobe.report.common import _batch, _gpt, _need
+from loopprobe.report.common import _batch, _gpt, _need, refusal_is_skip
 from loopprobe.report.config import Context, Fig, Result, Skip
 
 _GROWTH_PREDICTION = {
@@ -101,10 +101,8 @@ def increments_section(ctx: Context) -> Result:
 
 def _increments_user(ctx: Context, inc: Any) -> Result:
     u = ctx.user
-    try:
+    with refusal_is_skip():
         one = inc.increments(u.model, u.inputs, forward=u.forward)
-    except (ValueError, TypeError) as err:
-        raise Skip(str(err)) from err
     groups = one.group_frame()
     return Result(
         frames={"groups": groups, "cosines": one.cosine_frame(), "visits": one.to_frame()},
