@@ -16,6 +16,7 @@ implied constant ``C``. Reference: seed 002, Eq. 12-14, 18, 21.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -282,8 +283,10 @@ class BoundCheck:
 
     ``converged``/``reason`` carry the alignment report's (kappa_R from unconverged norms is
     not a prediction) and flag a true change ``dF_true`` whose relative roundoff
-    ``dF_roundoff`` (about eps(F) / dF_true: a difference of two nearly equal outputs)
-    exceeds 1e-3; ``dF_first`` (one JVP) has no such cancellation. ``prediction_M`` uses
+    ``dF_roundoff`` (about eps / dF_true: a difference of two nearly equal outputs) exceeds
+    1e-3; ``dF_first`` (one JVP) has no such cancellation. A lower-precision model whose
+    change is within 1000 eps of roundoff gets ``dF_true`` from a float64 copy of itself
+    (up to 5e7 parameters), where the roundoff is controlled. ``prediction_M`` uses
     all forward visits M instead of M_g (they differ for truncated models, whose
     forward-only visits also read the update; C is defined with M_g).
     """
@@ -388,12 +391,18 @@ def bound_check(
     F_norm = float(F0.norm())
     dF_first = float(dF.norm()) / F_norm
     dF_true = float((F1 - F0).norm()) / F_norm
+    eps = torch.finfo(F0.dtype).eps
+    if F0.dtype != torch.float64 and dF_true < 1e3 * eps:
+        # A difference of two nearly equal low-precision outputs: take it in float64.
+        exact = _true_change_float64(model, params, new, inputs, forward, output, seed)
+        if exact is not None:
+            dF_true, eps = exact, torch.finfo(torch.float64).eps
     # The bound's subject is the loop body (kappa_R's sublayers): count its visits only.
     rows = report.sublayers
     rows = rows[rows.role.eq("body")] if rows.role.eq("body").any() else rows
     M, M_g = int(rows.R.sum()), int(rows.R_g.sum())
     prediction = M_g * report.kappa * (beta / alpha) ** 2
-    roundoff = torch.finfo(F0.dtype).eps / dF_true if dF_true > 0 else float("inf")
+    roundoff = eps / dF_true if dF_true > 0 else float("inf")
     reasons = [report.reason] if not report.converged else []
     if roundoff > 1e-3:
         reasons.append(
@@ -438,6 +447,42 @@ def _scales(model: nn.Module, alpha: float | None, beta: float | None, call: str
             "scale and init gain; 1.0 and 1.0 for a plain pre-norm model)"
         )
     return float(alpha), float(beta)
+
+
+FLOAT64_COPY_LIMIT = 50_000_000
+
+
+def _true_change_float64(model, params, new, inputs, forward, output, seed) -> float | None:
+    """``||F(theta + dtheta) - F(theta)|| / ||F||`` on a float64 copy of the model (None when
+    the model is too large to copy, or does not run in float64)."""
+    if sum(p.numel() for p in model.parameters()) > FLOAT64_COPY_LIMIT:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        twin = copy.deepcopy(model).double()
+        twin_params = [twin.get_parameter(names[id(p)]) for p in params]
+        x = _to_float64(inputs)
+
+        def F_of(values: list[torch.Tensor]) -> torch.Tensor:
+            with seeded(seed, params[0].device), _swapped(twin, twin_params, values):
+                return pick_output(call_model(twin, x, forward), output, call="bound_check")
+
+        with torch.no_grad():
+            F0 = F_of([p.detach().double() for p in params])
+            F1 = F_of([q.detach().double() for q in new])
+    except (RuntimeError, TypeError, KeyError, AttributeError):
+        return None
+    return float((F1 - F0).norm() / F0.norm())
+
+
+def _to_float64(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.double() if x.is_floating_point() else x
+    if isinstance(x, tuple | list):
+        return type(x)(_to_float64(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_float64(v) for k, v in x.items()}
+    return x
 
 
 @contextmanager
