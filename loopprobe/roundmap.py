@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from loopprobe._checks import count as _count
+from loopprobe.autodiff import JVP
 
 Step = Callable[..., torch.Tensor]
 Map = Callable[[torch.Tensor], torch.Tensor]
@@ -256,15 +257,17 @@ class _JVP:
         self.T, self.h, self.trace = T, h, trace
         self.calls, self.seconds = 0, 0.0
         self.traced: Map | None = None
+        self.jvp = JVP(call="the round map's JVP")  # reverse mode where an op needs it
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         if self.traced is not None:
             return self.traced(v)
         start = time.perf_counter()
         with _quiet():
-            out = torch.func.jvp(self.T, (self.h,), (v,))[1]
+            out = self.jvp(self.T, (self.h,), (v,))[1]
         self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
-        if self.trace and self.calls == self.after_calls and self.seconds >= self.min_seconds:
+        traceable = self.trace and not self.jvp.reverse
+        if traceable and self.calls == self.after_calls and self.seconds >= self.min_seconds:
             self.traced = self._try_trace(v, out.detach())
         return out
 

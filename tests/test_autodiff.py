@@ -309,3 +309,14 @@ def test_a_bfloat16_model_is_never_reported_converged_and_names_the_precision_fl
     sens = sensitivity_norms(lp.attach(model), randn(3, 8).to(torch.bfloat16), max_iter=30)
     assert not sens.converged
     assert "precision floor" in sens.reason and "bfloat16" in sens.reason
+
+
+def test_the_spectral_radius_of_a_round_with_grid_sample_uses_reverse_mode_jvps():
+    block = make(GridBlock)
+    h = randn(3, 8)
+    T = lambda s: block(s)  # noqa: E731
+    sr = lp.spectral_radius(T, h, k=1)
+    J = jacrev(T)(h).reshape(h.numel(), h.numel())
+    rho = float(torch.linalg.eigvals(J.detach()).abs().max())
+    assert sr.converged, sr.reason
+    assert sr.value == pytest.approx(rho, rel=1e-6)
