@@ -155,7 +155,7 @@ def _alignment_cell(c: dict) -> list[dict]:
     return rows
 
 
-_alignment_cell.version = f"{loopprobe.__version__}-1"
+_alignment_cell.version = f"{loopprobe.__version__}-2"  # bound rows carry converged/reason
 _CFG_FIELDS = {f.name for f in dataclasses.fields(ReportConfig)}
 
 
@@ -185,8 +185,10 @@ def alignment_section(ctx: Context) -> Result:
     if df.empty:
         raise RuntimeError(f"every alignment cell failed: {failed['error'].iloc[0]}")
     keys = ["norm", "R"]
-    cols = "kappa M M_g alpha beta dF_first dF_true prediction C U_converged".split()
-    bound = _split(df, "bound")[keys + cols]
+    cols = "kappa M M_g alpha beta dF_first dF_true prediction C U_converged converged".split()
+    bound = _split(df, "bound")
+    bound = bound[keys + cols + (["reason"] if "reason" in bound else [])]
+    bound["converged"] = bound["converged"].astype(bool)  # object dtype in the shared cell frame
     visits, cos = _split(df, "visit"), _split(df, "cosine")
     Rmax, show = max(cfg.Rs), cfg.norms[0]
     predicted = plots.predicted_slopes(list(cfg.norms))
@@ -224,6 +226,10 @@ def alignment_section(ctx: Context) -> Result:
             "rows": bound.to_dict("records"),
             "slopes": slopes.to_dict("records"),
             "failed_cells": failed[["norm", "R", "error"]].to_dict("records"),
+            "converged": bool(bound.converged.all()),
+            "reason": "; ".join(
+                f"{r.norm} R={r.R}: {r.reason}" for r in bound[~bound.converged].itertuples()
+            ),
         },
         figures=[
             Fig(
