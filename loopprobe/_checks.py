@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from numbers import Integral
 
 
@@ -12,3 +13,23 @@ def count(call: str, name: str, value: object, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{call}: {name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+class Trust(ABC):
+    """``converged`` and ``reason`` of a result from one list of what cannot be trusted.
+
+    A result class defines ``_not_converged() -> list[str]`` (empty when every estimate
+    behind it converged and every number it shows is valid).
+    """
+
+    @abstractmethod
+    def _not_converged(self) -> list[str]:
+        """What cannot be trusted, one phrase each (each result class says what it checks)."""
+
+    @property
+    def converged(self) -> bool:
+        return not self._not_converged()
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self._not_converged())

@@ -48,6 +48,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from loopprobe import plots
+from loopprobe._checks import Trust
 from loopprobe._increment_record import Collector, IncrementFn, caller_rng, refuse_routing
 from loopprobe._stats import cosine_matrix, loglog_slope
 from loopprobe.sweeps import grid, sweep
@@ -72,7 +73,7 @@ GROWTH_ABSOLUTE = "RMS(h_N - h_0) (h_0 = 0, so no relative change)"
 
 
 @dataclass
-class Increments:
+class Increments(Trust):
     """Increments of one forward pass, grouped for the cross-visit statistics.
 
     ``visits[i]`` (execution order) belongs to ``groups[group_of[i]]``. ``cos[g]`` is the
@@ -106,14 +107,6 @@ class Increments:
     evidence: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     attrs: dict = field(default_factory=dict)
-
-    @property
-    def converged(self) -> bool:
-        return not self._not_converged()
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(self._not_converged())
 
     def _not_converged(self) -> list[str]:
         why = list(self.problems)
@@ -476,7 +469,7 @@ def regime_name(slope: float, cos: float, *, tol: float = 0.15) -> str:
 
 
 @dataclass
-class Growth:
+class Growth(Trust):
     """A growth sweep: rows per (N, seed), the fitted log-log slope and the named regime.
 
     ``slope`` is the least-squares slope of ``log growth`` on ``log N`` over every
@@ -494,14 +487,6 @@ class Growth:
     mean_ratio: float
     regime: str
     config: dict = field(default_factory=dict)
-
-    @property
-    def converged(self) -> bool:
-        return not self._not_converged()
-
-    @property
-    def reason(self) -> str:
-        return "; ".join(self._not_converged())
 
     def _not_converged(self) -> list[str]:
         rows, why = self.rows, []
