@@ -316,8 +316,9 @@ def sensitivity_norms(
     with respect to F). Every operator is estimated in one batch: ``method="auto"`` (the
     default) picks Lanczos while its basis fits in memory (:func:`choose_method`), else
     power iteration; ``method="power"`` by
-    power iteration (``tol`` on the relative change of the estimate; default 1e-10 in
-    float64 and 1e-5 in lower precision, where 1e-10 is below roundoff), ``"lanczos"`` by
+    power iteration (``tol`` on the relative change of the estimate; default from the
+    lowest precision the forward computes in: 1e-10 in float64, 1e-5 in float32, see
+    :func:`default_tol`), ``"lanczos"`` by
     Lanczos on ``U^T U`` (:func:`loopprobe.linalg.operator_norm_krylov`; ``tol`` on the
     Ritz residual; far fewer iterations when the top singular values are close, memory
     ``max_iter`` vectors per operator). ``generator`` draws the start vectors and the
