@@ -62,6 +62,7 @@ from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
 from loopprobe.threads import threads  # opt-in: with lp.threads(1): ... (restores)
 from loopprobe.updates import Updates, per_visit_updates
+from loopprobe.visitfn import VisitFunction, visit_function
 from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, attach
 
 __all__ = [
@@ -128,4 +129,6 @@ __all__ = [
     "tasks",
     "theory",
     "threads",
+    "visit_function",
+    "VisitFunction",
 ]

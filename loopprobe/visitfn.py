@@ -1,0 +1,84 @@
+"""The per-visit transform: the model's output as a pure function of per-visit offsets.
+
+``F, deltas0 = lp.visit_function(model, inputs)`` gives a function ``F(deltas)`` of one
+zero-valued offset per visit and parameter (``deltas[k][t]`` has the shape of the t-th
+parameter tensor of the sublayer of the k-th visit), whose value at ``deltas0`` (all
+zeros) is the model's output F, flattened. Visit ``(r, j)`` computes with
+``phi_j + delta_{r,j}``; everything else is unchanged. Derivatives of F therefore separate
+by visit of a shared parameter, and compose with any ``torch.func`` transform:
+
+- ``G_{r,j}``: ``torch.func.grad(lambda d: loss(F(d)))(deltas0)[k]``;
+- ``U_{r,j} t``: ``torch.func.jvp(F, (deltas0,), (tangent,))`` with ``t`` in slot k only;
+- ``U_{r,j}^T u``: ``torch.func.vjp(F, deltas0)[1](u)[0][k]``.
+
+``F`` runs the model through loopprobe's one parameter-swap mechanism (the probe's
+session, made transform-safe: fused attention, checkpointing) under the same seed on
+every call, so dropout draws the same masks for every derivative. ``F.visits`` lists the
+visits in slot order. Reference: seed 002, Eq. 11 (per-visit offsets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from loopprobe.sensitivity import VisitJacobian
+from loopprobe.visits import Forward, Output, Probe, Visit, attach
+
+
+class VisitFunction:
+    """``F(deltas) -> flattened output``; see :func:`visit_function`."""
+
+    def __init__(self, jac: VisitJacobian) -> None:
+        self._jac = jac
+        self.visits: list[Visit] = jac.visits
+
+    def __call__(self, deltas: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        if len(deltas) != len(self._jac.primals):
+            raise ValueError(
+                f"visit_function: F takes one tuple of offsets per visit "
+                f"({len(self._jac.primals)}), got {len(deltas)}"
+            )
+        values = [
+            tuple(p + d for p, d in zip(phi, delta, strict=True))
+            for phi, delta in zip(self._jac.primals, deltas, strict=True)
+        ]
+        return self._jac.f(*values)
+
+
+def visit_function(
+    model: nn.Module | Probe,
+    inputs: Any,
+    *,
+    sublayers: Sequence[str] | None = None,
+    visits: Sequence[Visit] | None = None,
+    forward: Forward | None = None,
+    output: Output | None = None,
+    seed: int | None = 0,
+) -> tuple[Callable, tuple[tuple[torch.Tensor, ...], ...]]:
+    """``(F, deltas0)``: the output as a function of per-visit offsets, and the zero offsets.
+
+    ``model`` is an ``nn.Module`` (attached here, with ``sublayers=`` as in
+    :func:`loopprobe.attach`) or a probe. ``visits`` selects which visits get an offset
+    (default: every forward visit of every sublayer; others compute with the plain
+    parameters). ``forward``/``output`` as elsewhere; ``seed`` fixes torch's RNG for every
+    evaluation. Example (per-visit G and one ``||U||`` with plain ``torch.func``)::
+
+        F, d0 = lp.visit_function(model, idx)
+        G = torch.func.grad(lambda d: F(d).square().mean())(d0)   # G[k]: visit F.visits[k]
+        J = torch.func.jacrev(F)(d0)[0]                             # dense, tiny models only
+    """
+    probe = model if isinstance(model, Probe) else attach(model, sublayers)
+    if visits is None:
+        visits = probe.visits(inputs, forward=forward, output=output, seed=seed)
+    visits = list(visits)
+    if not visits:
+        raise ValueError("visit_function: the forward pass made no visit to any sublayer")
+    jac = VisitJacobian(
+        probe, inputs, visits, forward=forward, output=output, seed=seed, call="visit_function"
+    )
+    zeros = tuple(tuple(torch.zeros_like(p) for p in phi) for phi in jac.primals)
+    return VisitFunction(jac), zeros
