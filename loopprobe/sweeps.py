@@ -166,7 +166,12 @@ def _rows(result: Any, call: str, where: str) -> list[dict[str, Any]]:
     if isinstance(result, Sequence) and all(isinstance(r, Mapping) for r in result):
         return [dict(r) for r in result]
     if hasattr(result, "to_frame") and callable(result.to_frame):
-        return result.to_frame().to_dict("records")
+        rows = result.to_frame().to_dict("records")
+        if hasattr(result, "converged") and hasattr(result, "reason"):
+            # The result's own verdict travels with every row it contributes.
+            for row in rows:
+                row.update(result_converged=bool(result.converged), result_reason=result.reason)
+        return rows
     raise TypeError(
         f"{call}: the diagnostic returned {type(result).__name__} for {where}; return a dict "
         "(one row), a list of dicts or a pandas DataFrame (one row per sublayer/visit/step)"
@@ -335,8 +340,10 @@ def sweep(
     diagnostic), frozen dataclass configs (scalar fields become columns, the dataclass is
     passed), or ``(name, factory)`` pairs (column ``config`` = name; ``factory()`` is
     called and its result, e.g. a model, is passed). The diagnostic returns a dict (one
-    row), a list of dicts, a DataFrame, or an object with ``.to_frame()``; every row gets
-    the config columns in front and the columns ``diverged`` and ``error`` at the end.
+    row), a list of dicts, a DataFrame, or an object with ``.to_frame()`` (a loopprobe
+    result also gives every row its verdict: ``result_converged`` and ``result_reason``);
+    every row gets the config columns in front and the columns ``diverged`` and ``error``
+    at the end.
     ``diagnostic`` may also be a mapping ``{name: callable}``: then each config runs
     through each, and a ``diagnostic`` column says which.
 

@@ -115,3 +115,19 @@ def test_bound_check_reports_both_visit_counts_for_a_truncated_model():
     assert (chk.M, chk.M_g) == (8, 4)
     assert chk.prediction_M == pytest.approx(2 * chk.prediction, rel=1e-12)
     assert "converged" in chk.to_dict() and "reason" in chk.to_dict()
+
+
+def test_a_sweep_row_carries_the_verdict_of_the_result_it_came_from(tmp_path):
+    model = make(ForLoopModel, K=1, R=3)
+    x = randn(3, 5)
+
+    def alignment(cfg):
+        return visit_alignment(
+            lp.attach(model), x, lambda o, i: o.square().mean(), method="power",
+            max_iter=cfg["iters"],
+        )  # fmt: skip
+
+    df = lp.sweep(lp.grid(iters=[2, 200]), alignment, cache_dir=tmp_path)
+    by = df.groupby("iters").result_converged.all()
+    assert not by[2] and by[200]
+    assert df[df.iters == 2].result_reason.str.contains("not converged").all()
