@@ -58,12 +58,13 @@ from loopprobe.lrtransfer import (
     lr_transfer,
     reference_lr_transfer,
 )
+from loopprobe.probe import Probe, attach
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
 from loopprobe.threads import threads  # opt-in: with lp.threads(1): ... (restores)
 from loopprobe.updates import Updates, per_visit_updates
 from loopprobe.visitfn import VisitFunction, visit_function
-from loopprobe.visits import Probe, Recording, Sublayer, Visit, VisitRecord, attach
+from loopprobe.visits import Recording, Sublayer, Visit, VisitRecord
 
 __all__ = [
     "__version__",

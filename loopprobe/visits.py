@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
@@ -50,11 +50,6 @@ from loopprobe import discover
 from loopprobe.autodiff import in_backward, transform_safe
 from loopprobe.discover import is_glob as _is_glob  # noqa: F401 (old private names)
 from loopprobe.discover import match as _match
-
-if TYPE_CHECKING:
-    from loopprobe.alignment import AlignmentReport, BoundCheck
-    from loopprobe.sensitivity import Sensitivity
-    from loopprobe.updates import Updates
 
 Forward = Callable[[nn.Module, Any], Any]
 Output = Callable[[Any], torch.Tensor]
@@ -563,31 +558,6 @@ class Probe:
         records.sort(key=lambda rec: rec.visit.i)
         return Recording(records, keep(out), self.sublayers())
 
-    # -- derivatives (thin wrappers; see loopprobe.updates/sensitivity/alignment) -------
-    def updates(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> Updates:
-        """Per-visit updates G_{r,j}: :func:`loopprobe.updates.per_visit_updates`."""
-        from loopprobe.updates import per_visit_updates
-
-        return per_visit_updates(self, inputs, loss_fn, **kwargs)
-
-    def sensitivity(self, inputs: Any, **kwargs: Any) -> Sensitivity:
-        """Operator norms of U_{r,j}: :func:`loopprobe.sensitivity.sensitivity_norms`."""
-        from loopprobe.sensitivity import sensitivity_norms
-
-        return sensitivity_norms(self, inputs, **kwargs)
-
-    def alignment(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> AlignmentReport:
-        """kappa_j, kappa_R, Gram matrices: :func:`loopprobe.alignment.visit_alignment`."""
-        from loopprobe.alignment import visit_alignment
-
-        return visit_alignment(self, inputs, loss_fn, **kwargs)
-
-    def bound(self, inputs: Any, loss_fn: Callable, **kwargs: Any) -> BoundCheck:
-        """Measured output change after one step vs M kappa (beta/alpha)^2: :func:`bound_check`."""
-        from loopprobe.alignment import bound_check
-
-        return bound_check(self, inputs, loss_fn, **kwargs)
-
 
 @dataclass
 class Trace:
@@ -624,7 +594,7 @@ def attach(
     *,
     exclude: Sequence[str] | None = None,
 ) -> Probe:
-    """Attach a :class:`Probe` to ``model`` without changing its code.
+    """A recording :class:`Probe` on ``model`` (``lp.attach`` adds the estimator methods).
 
     ``sublayers``: module names or dotted globs (``"blocks.*.attn"``; ``*`` is one path
     segment, ``**`` several). Modules that hold the same parameter objects are one physical

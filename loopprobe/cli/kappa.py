@@ -47,8 +47,8 @@ from loopprobe.cli._common import (
     text_table,
 )
 from loopprobe.models import GPTConfig, LoopedGPT
+from loopprobe.probe import attach
 from loopprobe.threads import work
-from loopprobe.visits import attach
 
 NORMS = ("pre", "post", "deepnorm", "deeploop")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
