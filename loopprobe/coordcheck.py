@@ -30,18 +30,20 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 
-from loopprobe import plots
+from loopprobe._stats import loglog_slope
 from loopprobe.sweeps import grid, sweep
 from loopprobe.visits import Forward, attach
+
+if TYPE_CHECKING:  # plotting is imported on call (.plot): import stays light
+    from matplotlib.figure import Figure
 
 __all__ = ["CoordCheck", "coord_check", "reference_coord_check", "make_optimizer"]
 
@@ -112,6 +114,8 @@ class CoordCheck:
 
     def plot(self, scheme: str | None = None, quantity: str = "state_change", **kw: Any) -> Figure:
         """mup-style figure: one panel per step, N on a log2 x axis, a line per group."""
+        from loopprobe import plots
+
         df = self.plot_frame(quantity, scheme)
         title = f"Coordinate check across N: {quantity}" + (f" ({scheme})" if scheme else "")
         return plots.coord_check(df, y="value", col="step", hue="group", title=title, **kw)
@@ -136,7 +140,7 @@ class CoordCheck:
                 {
                     **dict(zip(keys, key, strict=True)),
                     "step": step,
-                    "slope": plots.loglog_slope(means.index, means.values),
+                    "slope": loglog_slope(means.index, means.values),
                     "value_at_min_N": float(means.iloc[0]),
                     "value_at_max_N": float(means.iloc[-1]),
                 }

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import torch
-from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigs
 
 from loopprobe.autodiff import transform_safe
 from loopprobe.implicit import InputDependence, input_dependence  # noqa: F401 - re-export
@@ -327,6 +326,8 @@ def spectral_radius(
     For a state with fewer than ``k + 2`` entries (too small for ARPACK) a full Arnoldi
     run is exact. Reference: DESIGN.md §4 (geometry).
     """
+    from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigs
+
     call = "spectral_radius"
     T = _bind(step, x)
     h = _check_state(call, h)

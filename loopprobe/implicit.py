@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from scipy.sparse.linalg import LinearOperator, gmres
 
 from loopprobe.autodiff import transform_safe
 from loopprobe.linalg import Estimate, operator_norm
@@ -118,6 +117,8 @@ def input_dependence(
     ``fixed_point_tol`` makes the result ``converged=False`` with the residual in ``reason``
     (the implicit formula describes no point then). Reference: DESIGN.md §4 (input-dependence).
     """
+    from scipy.sparse.linalg import LinearOperator, gmres  # on call: import stays light
+
     call = "input_dependence"
     if not callable(step):
         raise TypeError(f"{call}: step must be a callable (h, x) -> T(h; x), got {step!r}")

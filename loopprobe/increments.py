@@ -38,20 +38,20 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import seaborn as sns
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 
-from loopprobe import plots
 from loopprobe._increment_record import Collector, IncrementFn, caller_rng, refuse_routing
 from loopprobe._stats import cosine_matrix, loglog_slope
 from loopprobe.sweeps import grid, sweep
 from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach
+
+if TYPE_CHECKING:  # plotting is imported on call (.heatmap, .plot): import stays light
+    from matplotlib.figure import Figure
 
 __all__ = [
     "Growth",
@@ -229,6 +229,8 @@ class Increments:
 
     def heatmap(self, max_panels: int = 4) -> Figure:
         """Seaborn heatmaps of the increment cosine matrices (one panel per group)."""
+        from loopprobe import plots
+
         return plots.visit_cosines(
             self.cosine_frame(),
             max_panels=max_panels,
@@ -251,6 +253,9 @@ def stream_plot(df: pd.DataFrame, *, x: str = "i", y: str = "stream_rms") -> Fig
     Growth across visits is the residual explosion of the Fully Looped Transformer
     abstract. Reference: DESIGN.md §3.
     """
+    import seaborn as sns
+    from matplotlib.figure import Figure
+
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
         fig = Figure(figsize=(5.0, 3.6), layout="constrained")
         ax = fig.subplots()
@@ -581,6 +586,8 @@ class Growth:
     def plot(self, **kw: Any) -> Figure:
         hue = "residual" if "residual" in self.rows else None
         style = "tying" if "tying" in self.rows else None
+        from loopprobe import plots
+
         return plots.increment_growth(self.rows, hue=hue, style=style, **kw)
 
 
