@@ -15,7 +15,7 @@ quantity):
 Flat curves in N (at every step) mean the parameterization is stable in the loop count;
 a slope in log-log says how it is not. With Adam-like updates seed 004 (Theorem 2)
 bounds ``||Delta h_N|| <~ eta eps N``: flat under ``1/N``, ``sqrt(N)`` under ``1/sqrt(N)``.
-Reference: DESIGN.md §5; seed 004 (Loop-muP abstract); microsoft/mup coord check.
+Reference: docs/definitions.md §5; seed 004 (Loop-muP abstract); microsoft/mup coord check.
 
 Example::
 
@@ -283,7 +283,7 @@ def coord_check(
     ``model.hidden`` when the model has one) gives the final state ``h_N``. A run whose
     loss turns NaN/inf stops there and its rows carry ``diverged=True``; a run that raises
     becomes one ``diverged`` row (through :func:`loopprobe.sweep`).
-    Reference: DESIGN.md §5.
+    Reference: docs/definitions.md §5.
     """
     call = "coord_check"
     _check(call, Ns, seeds, steps, lr)
@@ -370,7 +370,7 @@ def reference_coord_check(
     ``||h_0||^2/d = Theta(1)``); ``None`` trains the model as built (embedding std 0.02,
     ``h_0`` RMS about 0.03: the first visit's RMSNorm then divides by 0.03, so each Adam
     step on the embedding swings the first increments, and that transient adds to the
-    N-dependence). Reference: DESIGN.md §5; seed 004; seed 002 (DeepNorm vs DeepLoop).
+    N-dependence). Reference: docs/definitions.md §5; seed 004; seed 002 (DeepNorm vs DeepLoop).
     """
     call = "reference_coord_check"
     specs = [parse_scheme(s) for s in schemes]
