@@ -5,7 +5,7 @@ One import path: ``import loopprobe as lp``.
 
 __version__ = "0.1.0"
 
-from loopprobe import models, plots, tasks, theory
+from loopprobe import models, tasks, theory
 from loopprobe.alignment import (
     AlignmentReport,
     BoundCheck,
@@ -65,6 +65,16 @@ from loopprobe.threads import threads  # opt-in: with lp.threads(1): ... (restor
 from loopprobe.updates import Updates, per_visit_updates
 from loopprobe.visitfn import VisitFunction, visit_function
 from loopprobe.visits import Recording, Sublayer, Visit, VisitRecord
+
+
+def __getattr__(name: str):
+    """``lp.plots`` is imported on first use, so ``import loopprobe`` skips seaborn/matplotlib."""
+    if name == "plots":
+        import importlib
+
+        return importlib.import_module("loopprobe.plots")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",

@@ -4,7 +4,7 @@
 RMS and the increment, and the evidence for what each sublayer returns: whether the next
 visit reads its output (it returns the updated stream: the increment is output - input)
 or input + output (the output is the increment), else the sizes of output and input.
-Reference: DESIGN.md §3.
+Reference: docs/definitions.md §3.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ quantity):
 Flat curves in N (at every step) mean the parameterization is stable in the loop count;
 a slope in log-log says how it is not. With Adam-like updates seed 004 (Theorem 2)
 bounds ``||Delta h_N|| <~ eta eps N``: flat under ``1/N``, ``sqrt(N)`` under ``1/sqrt(N)``.
-Reference: DESIGN.md §5; seed 004 (Loop-muP abstract); microsoft/mup coord check.
+Reference: docs/definitions.md §5; seed 004 (Loop-muP abstract); microsoft/mup coord check.
 
 Example::
 
@@ -30,18 +30,20 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from torch import nn
 
-from loopprobe import plots
+from loopprobe._stats import loglog_slope
 from loopprobe.sweeps import grid, sweep
 from loopprobe.visits import Forward, attach
+
+if TYPE_CHECKING:  # plotting is imported on call (.plot): import stays light
+    from matplotlib.figure import Figure
 
 __all__ = ["CoordCheck", "coord_check", "reference_coord_check", "make_optimizer"]
 
@@ -112,6 +114,8 @@ class CoordCheck:
 
     def plot(self, scheme: str | None = None, quantity: str = "state_change", **kw: Any) -> Figure:
         """mup-style figure: one panel per step, N on a log2 x axis, a line per group."""
+        from loopprobe import plots
+
         df = self.plot_frame(quantity, scheme)
         title = f"Coordinate check across N: {quantity}" + (f" ({scheme})" if scheme else "")
         return plots.coord_check(df, y="value", col="step", hue="group", title=title, **kw)
@@ -136,7 +140,7 @@ class CoordCheck:
                 {
                     **dict(zip(keys, key, strict=True)),
                     "step": step,
-                    "slope": plots.loglog_slope(means.index, means.values),
+                    "slope": loglog_slope(means.index, means.values),
                     "value_at_min_N": float(means.iloc[0]),
                     "value_at_max_N": float(means.iloc[-1]),
                 }
@@ -279,7 +283,7 @@ def coord_check(
     ``model.hidden`` when the model has one) gives the final state ``h_N``. A run whose
     loss turns NaN/inf stops there and its rows carry ``diverged=True``; a run that raises
     becomes one ``diverged`` row (through :func:`loopprobe.sweep`).
-    Reference: DESIGN.md §5.
+    Reference: docs/definitions.md §5.
     """
     call = "coord_check"
     _check(call, Ns, seeds, steps, lr)
@@ -366,7 +370,7 @@ def reference_coord_check(
     ``||h_0||^2/d = Theta(1)``); ``None`` trains the model as built (embedding std 0.02,
     ``h_0`` RMS about 0.03: the first visit's RMSNorm then divides by 0.03, so each Adam
     step on the embedding swings the first increments, and that transient adds to the
-    N-dependence). Reference: DESIGN.md §5; seed 004; seed 002 (DeepNorm vs DeepLoop).
+    N-dependence). Reference: docs/definitions.md §5; seed 004; seed 002 (DeepNorm vs DeepLoop).
     """
     call = "reference_coord_check"
     specs = [parse_scheme(s) for s in schemes]

@@ -1,7 +1,7 @@
 """Fixed points of one round T(h; x): reachability, geometry, input-dependence.
 
 A looped model applies the same round map ``T`` again and again. Whether that iteration
-means anything is a fixed-point question along three axes (DESIGN.md §4; seed 000/003,
+means anything is a fixed-point question along three axes (docs/definitions.md §4; seed 000/003,
 the fixed-point framework of Labovich, arXiv 2604.15259):
 
 - **reachability** (:func:`fixed_point`, :func:`round_residuals`): does ``h <- T(h)``
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import torch
-from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigs
 
 from loopprobe.autodiff import transform_safe
 from loopprobe.implicit import InputDependence, input_dependence  # noqa: F401 - re-export
@@ -107,7 +106,7 @@ def fixed_point(
     Never raises on the dynamics: NaN/inf from the step, a state growing past
     ``blowup * max(||h0||, 1)`` or ``max_iter`` updates without reaching ``tol`` give
     ``converged=False`` with the reason. A step that changes the state's shape or dtype
-    raises ``ValueError``. Reference: DESIGN.md §4 (reachability).
+    raises ``ValueError``. Reference: docs/definitions.md §4 (reachability).
 
     Example: ``fp = fixed_point(lambda h: 0.5 * h + 1, torch.zeros(3))`` reaches 2.
     """
@@ -227,7 +226,7 @@ def round_residuals(
 
     ``h_r = T^r(h0)`` for r = 0..R (R + 1 calls of T, the last one only to measure
     ``h_R``). With ``h_star`` (e.g. ``fixed_point(...).h``) also the distance
-    ``||h_r - h*|| / ||h*||``. Reference: DESIGN.md §4 (reachability).
+    ``||h_r - h*|| / ||h*||``. Reference: docs/definitions.md §4 (reachability).
     """
     call = "round_residuals"
     T = _bind(step, x)
@@ -325,8 +324,10 @@ def spectral_radius(
     defective top eigenvalues, as in causal rounds whose Jacobian is block-triangular over
     tokens), ``value`` is the largest Ritz value of a 60-step Arnoldi run, uncertified.
     For a state with fewer than ``k + 2`` entries (too small for ARPACK) a full Arnoldi
-    run is exact. Reference: DESIGN.md §4 (geometry).
+    run is exact. Reference: docs/definitions.md §4 (geometry).
     """
+    from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigs
+
     call = "spectral_radius"
     T = _bind(step, x)
     h = _check_state(call, h)
@@ -434,7 +435,7 @@ def jacobian_norm(
     Power iteration on ``J^T J`` with ``J v`` a JVP and ``J^T u`` a VJP
     (:func:`loopprobe.linalg.operator_norm`); the estimate is a lower bound that rises
     to the norm. ``||J|| >= rho(J)``; the gap is the non-normality of the round.
-    Reference: DESIGN.md §4 (geometry).
+    Reference: docs/definitions.md §4 (geometry).
     """
     call = "jacobian_norm"
     T = _bind(step, x)

@@ -7,7 +7,7 @@ input. This module trains a one-block :class:`~loopprobe.models.LoopedGPT` brief
 shipped task for every recall placement and outer-norm setting, then measures at a probe
 input: reachability (:func:`~loopprobe.fixed_point`, the model's own R rounds), geometry
 (:func:`~loopprobe.spectral_radius`, :func:`~loopprobe.jacobian_norm`) and input-dependence
-(:func:`~loopprobe.input_dependence`, implicit and unrolled). Reference: DESIGN.md §4.
+(:func:`~loopprobe.input_dependence`, implicit and unrolled). Reference: docs/definitions.md §4.
 
 Example::
 

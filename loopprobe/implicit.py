@@ -3,7 +3,7 @@
 At ``h* = T(h*, x)``, ``dh*/dx = (I - dT/dh)^{-1} dT/dx``; :func:`input_dependence` gets
 its operator norm from GMRES solves on JVPs/VJPs, next to the derivative of the unrolled
 R rounds. Reached states come from :func:`loopprobe.fixedpoint.fixed_point`; the round
-map and JVP plumbing from :mod:`loopprobe.roundmap`. Reference: DESIGN.md §4.
+map and JVP plumbing from :mod:`loopprobe.roundmap`. Reference: docs/definitions.md §4.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from scipy.sparse.linalg import LinearOperator, gmres
 
 from loopprobe.autodiff import transform_safe
 from loopprobe.linalg import Estimate, operator_norm
@@ -116,8 +115,11 @@ def input_dependence(
     ``implicit=False`` skips it (e.g. where no fixed point was reached). ``h_star`` must be
     a fixed point: a residual ``||T(h) - h|| / max(||h||, ||T(h)||)`` above
     ``fixed_point_tol`` makes the result ``converged=False`` with the residual in ``reason``
-    (the implicit formula describes no point then). Reference: DESIGN.md §4 (input-dependence).
+    (the implicit formula describes no point then).
+    Reference: docs/definitions.md §4 (input-dependence).
     """
+    from scipy.sparse.linalg import LinearOperator, gmres  # on call: import stays light
+
     call = "input_dependence"
     if not callable(step):
         raise TypeError(f"{call}: step must be a callable (h, x) -> T(h; x), got {step!r}")

@@ -23,7 +23,7 @@ and ``||h_N - h_0|| / ||h_0||``. :func:`growth_sweep` fits the log-log exponent 
 ratio over N and :func:`regime_name` names what it sees: a shared block under ``1/sqrt(N)``
 grows like ``sqrt(N)``, under ``1/N`` it stays flat; an untied stack under ``1/sqrt(N)``
 stays flat and under ``1/N`` shrinks like ``N^(-1/2)``.
-Reference: DESIGN.md §3; seed 004 (Loop-muP abstract), seed 003 (residual scaling).
+Reference: docs/definitions.md §3; seed 004 (Loop-muP abstract), seed 003 (residual scaling).
 
 Example::
 
@@ -38,21 +38,21 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import seaborn as sns
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 
-from loopprobe import plots
 from loopprobe._checks import Trust
 from loopprobe._increment_record import Collector, IncrementFn, caller_rng, refuse_routing
 from loopprobe._stats import cosine_matrix, loglog_slope
 from loopprobe.sweeps import grid, sweep
 from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach
+
+if TYPE_CHECKING:  # plotting is imported on call (.heatmap, .plot): import stays light
+    from matplotlib.figure import Figure
 
 __all__ = [
     "Growth",
@@ -222,6 +222,8 @@ class Increments(Trust):
 
     def heatmap(self, max_panels: int = 4) -> Figure:
         """Seaborn heatmaps of the increment cosine matrices (one panel per group)."""
+        from loopprobe import plots
+
         return plots.visit_cosines(
             self.cosine_frame(),
             max_panels=max_panels,
@@ -242,8 +244,11 @@ def stream_plot(df: pd.DataFrame, *, x: str = "i", y: str = "stream_rms") -> Fig
 
     Columns: ``x`` (execution index), ``y`` (stream RMS), ``group`` (marker colour).
     Growth across visits is the residual explosion of the Fully Looped Transformer
-    abstract. Reference: DESIGN.md §3.
+    abstract. Reference: docs/definitions.md §3.
     """
+    import seaborn as sns
+    from matplotlib.figure import Figure
+
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
         fig = Figure(figsize=(5.0, 3.6), layout="constrained")
         ax = fig.subplots()
@@ -297,7 +302,7 @@ def increments(
     right for models that do not edit a branch output in place after it returns), the
     first input and per-visit stream norms is kept: one visit session of the probe, no
     full recording. The caller's RNG state is restored afterwards (dropout in training
-    mode draws from a fork). Reference: DESIGN.md §3.
+    mode draws from a fork). Reference: docs/definitions.md §3.
     """
     call = "increments"
     if group_by not in GROUPINGS:
@@ -435,7 +440,7 @@ def regime_name(slope: float, cos: float, *, tol: float = 0.15) -> str:
     correlated + sqrt(N) = a shared block under depth-muP ``1/sqrt(N)`` (under-scaled);
     correlated + flat = loop-scaled (``1/N``); uncorrelated + flat = depth-scaled untied
     stack (``1/sqrt(N)``); uncorrelated + 1/sqrt(N) = over-damped (``1/N`` on untied
-    depth); linear = unscaled correlated increments. Reference: DESIGN.md §3, seed 004.
+    depth); linear = unscaled correlated increments. Reference: docs/definitions.md §3, seed 004.
     """
     if not math.isfinite(slope):
         return "undetermined (no finite growth slope)"
@@ -566,6 +571,8 @@ class Growth(Trust):
     def plot(self, **kw: Any) -> Figure:
         hue = "residual" if "residual" in self.rows else None
         style = "tying" if "tying" in self.rows else None
+        from loopprobe import plots
+
         return plots.increment_growth(self.rows, hue=hue, style=style, **kw)
 
 
@@ -589,7 +596,7 @@ def growth_sweep(
     batch. Each (N, seed) cell runs :func:`increments` through :func:`loopprobe.sweep`, so
     a cell that raises or gives NaN/inf becomes a row with ``diverged=True`` and the fit
     skips it. ``cache_dir`` caches cells (then ``name`` must identify the factories).
-    Reference: DESIGN.md §3.
+    Reference: docs/definitions.md §3.
     """
     call = "growth_sweep"
     Ns, seeds = _positive_ints(call, "Ns", Ns), _ints(call, "seeds", seeds)
@@ -668,7 +675,7 @@ def reference_growth(
     ``h0_rms``: the loop starts from the embedding rescaled to this RMS, ``d^-1/2 ||h_0||``
     (seed 004's init assumption ``||h_0||^2 / d = Theta(1)``); ``None`` keeps the model's
     own embedding (std 0.02, RMS about 0.03: then a single increment is some twenty times
-    ``h_0`` and the ratio mostly measures the first visit). Reference: DESIGN.md §3.
+    ``h_0`` and the ratio mostly measures the first visit). Reference: docs/definitions.md §3.
     """
     call = "reference_growth"
     if tying not in TYINGS:

@@ -20,7 +20,8 @@ of the branch output z reaches the normalized state: ``||R(alpha x + z) - R(alph
 / ||z||`` with ``R`` the (weightless) RMS normalization, next to ``1/alpha`` and to the
 first-order value of seed 002 Lemma A.1, ``R(alpha x + z) = x + (z - <x,z>_d x)/alpha +
 O(RMS(z)^2/alpha^2)`` for ``RMS(x) = 1``.
-Reference: Fully Looped Transformer abstract (seed 001); DESIGN.md §2-3; seed 002 Lemma A.1.
+Reference: Fully Looped Transformer abstract (seed 001); docs/definitions.md §2-3;
+seed 002 Lemma A.1.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def instability(
     the per-visit gradients are the raw ``d loss / d delta_{r,j}`` (update ``sgd``). The
     stream RMS uses :func:`loopprobe.increments` (``model.hidden`` when present, else
     ``forward``; ``increment=`` as there). Probing leaves the model, its ``.grad`` and its
-    mode unchanged. Reference: Fully Looped Transformer abstract; DESIGN.md §2.
+    mode unchanged. Reference: Fully Looped Transformer abstract; docs/definitions.md §2.
     """
     call = "instability"
     for name, v in (("oscillation_threshold", oscillation_threshold),

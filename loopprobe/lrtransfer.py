@@ -22,17 +22,18 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
-from matplotlib.figure import Figure
 from torch import nn
 
-from loopprobe import plots
 from loopprobe.coordcheck import lm_loss, make_optimizer
 from loopprobe.sweeps import sweep
+
+if TYPE_CHECKING:  # plotting is imported on call (.plot): import stays light
+    from matplotlib.figure import Figure
 
 __all__ = ["LRTransfer", "lr_transfer", "reference_lr_transfer", "train_short"]
 
@@ -168,6 +169,8 @@ class LRTransfer:
 
     def plot(self, **kw: Any) -> Figure:
         """Loss vs lr (log x), a line per N, the argmin starred; a panel per ``panel``."""
+        from loopprobe import plots
+
         return plots.lr_transfer(self.rows, col=self.panel, **kw)
 
 

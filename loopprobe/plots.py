@@ -268,7 +268,7 @@ def visit_norms(
 
     Columns: ``x`` (visit/round index r of the sublayer), ``sublayer`` (physical sublayer
     name j), ``U`` and ``G`` (the per-visit norms; either may be None to skip its panel).
-    Reference: seed 002, Eq. 11-12; DESIGN.md §2.
+    Reference: seed 002, Eq. 11-12; docs/definitions.md §2.
     """
     panels = [(c, lab) for c, lab in ((U, "‖U_r,j‖"), (G, "‖G_r,j‖")) if c is not None]
     if not panels:
@@ -303,7 +303,7 @@ def visit_cosines(
     ``data`` is a long frame with columns ``sublayer``, ``row`` (r), ``col`` (s), ``value``
     (cos between visits r and s), or a mapping ``{sublayer: (R, R) array}``. Cosines near 1
     off the diagonal mean aligned visits (κ_R → R); negative ones between neighbours are
-    gradient oscillation. Reference: DESIGN.md §2 (visit Gram/cosine matrices).
+    gradient oscillation. Reference: docs/definitions.md §2 (visit Gram/cosine matrices).
     """
     if isinstance(data, Mapping):
         mats = {str(k): np.asarray(v, float) for k, v in data.items()}
@@ -358,7 +358,7 @@ def increment_growth(
     Columns: ``x`` (N, loop count), ``y`` (‖h_N − h_0‖/‖h_0‖), ``hue`` (residual rule, e.g.
     ``1/sqrt(N)``, ``1/N``), ``style`` (``tied``/``untied``; None for one style). Seeds
     are averaged. The dashed reference lines are the regimes' slopes (½: correlated
-    increments under 1/√N; 0: flat), anchored at the first point. Reference: DESIGN.md §3.
+    increments under 1/√N; 0: flat), anchored at the first point. Reference: docs/definitions.md §3.
     """
     df = _frame("increment_growth", df, {"x": x, "y": y, "hue": hue, "style": style})
     fig, axes = _figure(size=(5.5, 4.8))
@@ -411,7 +411,7 @@ def coord_check(
     ``col`` (step; one panel each, at most ``max_cols`` spread evenly), ``hue`` (sublayer
     or visit group). ``ylabel`` defaults to ``y``. Seeds are averaged. Flat lines mean the
     parameterization is stable in N (the looped analogue of mup's coord check).
-    Reference: DESIGN.md §5; issue 4.
+    Reference: docs/definitions.md §5; issue 4.
     """
     df = _frame("coord_check", df, {"x": x, "y": y, "col": col, "hue": hue})
     steps = sorted(df[col].unique())
@@ -496,7 +496,7 @@ def fixed_point_residuals(
     Columns: ``x`` (iteration), ``y`` (relative residual, as in ``FixedPoint.to_frame()``),
     ``hue`` (variant, e.g. recall/outer-norm setting; None for one trace). ``tol`` draws
     the convergence tolerance. Straight lines on this plot are linear convergence with
-    rate = ρ(∂T/∂h). Reference: DESIGN.md §4 (reachability).
+    rate = ρ(∂T/∂h). Reference: docs/definitions.md §4 (reachability).
     """
     df = _frame("fixed_point_residuals", df, {"x": x, "y": y, "hue": hue})
     df = df[df[y] > 0]
@@ -526,7 +526,7 @@ def eigenvalues(
 
     Columns: ``real``, ``imag`` (as in ``SpectralRadius.to_frame()``), ``hue`` (variant).
     The legend gives ρ(∂T/∂h) = max |λ| per variant: inside the circle, iterating the round
-    contracts locally. Reference: DESIGN.md §4 (geometry).
+    contracts locally. Reference: docs/definitions.md §4 (geometry).
     """
     df = _frame("eigenvalues", df, {"real": real, "imag": imag, "hue": hue})
     fig, axes = _figure(size=(5.0, 5.6))

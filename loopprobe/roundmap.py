@@ -4,7 +4,7 @@
 ``x = model.embed(idx)``), :func:`replay_round` that of any looped model from the recorded
 calls of one module. The private helpers below (state checks, ``_linearize`` / ``_JVP``,
 ``_numpy_op``) are shared by :mod:`loopprobe.fixedpoint` (reachability, geometry) and
-:mod:`loopprobe.implicit` (input-dependence). Reference: DESIGN.md §4.
+:mod:`loopprobe.implicit` (input-dependence). Reference: docs/definitions.md §4.
 """
 
 from __future__ import annotations

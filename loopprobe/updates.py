@@ -16,7 +16,7 @@ from the optimizer state updated by the tied gradient (a fresh optimizer: ``t = 
 ``c = 1``, ``v_hat = g^2``). Then ``sum_r G_eff_{r,j}`` is exactly the new-gradient
 part of the step; the momentum history (absent for a fresh optimizer) is reported as a
 norm, not split over visits. ``Updates.method`` says which rule was used.
-Reference: seed 002, Eq. 11-12 (``G_{r,j}``) and DESIGN.md §2.
+Reference: seed 002, Eq. 11-12 (``G_{r,j}``) and docs/definitions.md §2.
 """
 
 from __future__ import annotations

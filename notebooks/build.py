@@ -129,7 +129,8 @@ NOTEBOOKS["02_increment_regimes"] = [
 stream. Does the depth-μP multiplier 1/√N still keep ‖h_N − h_0‖ flat, or is the
 loop-aware 1/N needed — and does training then stay N-stable (flat coordinate check)?
 
-**Seed.** 004 (Loop-μP) and 003 (residual scaling for looped models); DESIGN.md §3 and §5."""),
+**Seed.** 004 (Loop-μP) and 003 (residual scaling for looped models);
+docs/definitions.md §3 and §5."""),
     ("code", SETUP),
     ("md", """\
 ## Increments of one looped model
@@ -199,7 +200,7 @@ start, so h* cannot depend on x; recall plus an outer normalization should give 
 fixed points that do.
 
 **Seed.** 000 / 003 (the fixed-point framework: reachability, input-dependence, geometry);
-DESIGN.md §4."""),
+docs/definitions.md §4."""),
     ("code", SETUP),
     ("md", """\
 ## A linear loop: the estimators against closed forms
@@ -360,7 +361,7 @@ NOTEBOOKS["06_attach_your_model"] = [
 its modules are reused, how aligned are their visits, how do its increments add up, and
 does its round map have a reachable fixed point?
 
-**Seed.** 002 (visits, κ), DESIGN.md §2–4. The model below is written the way a user would
+**Seed.** 002 (visits, κ), docs/definitions.md §2–4. The model below is written the way a user would
 write it: a plain `nn.Module`, a block called in a Python loop, input re-injected each round."""),
     ("code", SETUP),
     ("code", """\

@@ -1,4 +1,6 @@
-"""Fixed points: reachability, spectral radius, Jacobian norm, input-dependence (DESIGN.md §4).
+"""Fixed points: reachability, spectral radius, Jacobian norm, input-dependence.
+
+Definitions: docs/definitions.md §4.
 
 Oracles: closed forms of linear loops (LinearLoop and plain matrices), dense ``jacrev``
 Jacobians with ``eigvals``/SVD at d <= 32, float64 finite differences; failure modes:

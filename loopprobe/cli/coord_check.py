@@ -10,7 +10,7 @@ takes ``--steps`` Adam steps on byte-level stdlib text; a fixed probe batch is r
 before and after each step. Writes ``coord_check.csv`` (one row per N, seed, step,
 sublayer, visit, quantity) and, per scheme, ``<scheme>_<quantity>.png`` (one panel per
 step, N on a log2 axis, one line per visit group); prints the log-log slope over N of
-each group at the last step (0 = flat = stable in N). Reference: DESIGN.md §5.
+each group at the last step (0 = flat = stable in N). Reference: docs/definitions.md §5.
 """
 
 from __future__ import annotations

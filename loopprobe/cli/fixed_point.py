@@ -8,7 +8,7 @@ Example::
 
 ``--model`` names a factory returning a model with ``embed(idx)`` and ``step(h, x)`` (and
 ``cfg.R`` for the unrolled comparison); ``--inputs`` names a function ``fn(model)``
-returning the token ids. Reference: DESIGN.md §4.
+returning the token ids. Reference: docs/definitions.md §4.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Example::
 On the pre-norm reference model (tied: one block for N rounds; untied: N blocks once),
 per N: ``||h_N - h_0|| / ||h_0||``, the mean off-diagonal cosine of the increments across
 visits and ``R = ||sum inc||^2 / sum ||inc||^2``; then the fitted log-log growth exponent
-and the regime it names. Reference: DESIGN.md §3; seed 004.
+and the regime it names. Reference: docs/definitions.md §3; seed 004.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Sweep the loop count N on the pre-norm reference LoopedGPT at init, record every "
             "visit's residual increment, fit the log-log growth exponent of "
-            "||h_N - h_0||/||h_0|| and name the regime (DESIGN.md section 3). Tied: one "
+            "||h_N - h_0||/||h_0|| and name the regime (docs/definitions.md section 3). Tied: one "
             "physical block applied N times; untied: N distinct blocks applied once."
         ),
     )

@@ -10,17 +10,18 @@ import pathlib
 import shlex
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from matplotlib.figure import Figure
 from tqdm import tqdm
 
 import loopprobe
-from loopprobe import plots
 from loopprobe.cli._common import to_jsonable
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Section, Skip, UserModel
 from loopprobe.report.render import format_summary, render_html
 from loopprobe.report.sections import SECTIONS
+
+if TYPE_CHECKING:  # plotting is imported when a figure is drawn
+    from matplotlib.figure import Figure
 
 
 def check_out_dir(out: str | os.PathLike) -> pathlib.Path:
@@ -191,6 +192,8 @@ def _draw(
     df = frame.query(fig.query) if fig.query else frame
     png = f"{fig.name}.png"
     record = {"png": png, "caption": fig.caption, "csv": entry["csv"][fig.frame]}
+    from loopprobe import plots
+
     try:
         figure: Figure = getattr(plots, fig.plot)(df, **fig.kwargs)
         figure.savefig(outdir / png, dpi=110)

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 import loopprobe
-from loopprobe import plots, theory
+from loopprobe import theory
 from loopprobe.report.common import (
     _batch,
     _cfg_attr,
@@ -59,6 +59,8 @@ def theory_section(ctx: Context) -> Result:
                 }
             )
     df = pd.DataFrame(rows)
+    from loopprobe import plots  # on call: `loopprobe --help` stays light
+
     slopes = plots.predicted_slopes(norms)
     summary = pd.DataFrame(
         [
@@ -191,6 +193,8 @@ def alignment_section(ctx: Context) -> Result:
     bound["converged"] = bound["converged"].astype(bool)  # object dtype in the shared cell frame
     visits, cos = _split(df, "visit"), _split(df, "cosine")
     Rmax, show = max(cfg.Rs), cfg.norms[0]
+    from loopprobe import plots
+
     predicted = plots.predicted_slopes(list(cfg.norms))
     slopes = []
     for norm, sub in bound.groupby("norm", sort=False):
