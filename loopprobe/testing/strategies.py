@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +27,11 @@ PROFILES = {
 _COMMON = dict(
     deadline=None,
     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,  # the plugin's fixtures hold no per-example state
+    ],
     print_blob=False,
 )
 for _name, _kw in PROFILES.items():
@@ -49,18 +52,18 @@ def mean_square_loss(out: Any, inputs: Any) -> torch.Tensor:
     return 0.5 * pick_output(out, call="mean_square_loss").pow(2).mean()
 
 
-@dataclass
 class Config:
     """One drawn member of the family: ``params`` passed to the factory, the model, a batch
-    for it (from ``batch_seed``), the loss, and ``rebuild(R)`` for statements across R."""
+    for it (from ``batch_seed``), the loss, and ``rebuild(R)`` for statements across R.
+    Printed (also in a hypothesis failure) as its settings only."""
 
-    params: dict[str, Any]
-    batch_seed: int
-    model: nn.Module = field(repr=False)
-    batch: Any = field(repr=False)
-    loss: Callable = field(repr=False)
-    factory: Callable = field(repr=False)
-    make_batch: Callable = field(repr=False)
+    def __init__(self, params, batch_seed, model, batch, loss, factory, make_batch) -> None:
+        self.params: dict[str, Any] = params
+        self.batch_seed: int = batch_seed
+        self.model: nn.Module = model
+        self.batch: Any = batch
+        self.loss: Callable = loss
+        self.factory, self.make_batch = factory, make_batch
 
     def rebuild(self, R: int) -> tuple[nn.Module, Any]:
         """The same member at another R (same other settings and batch seed)."""
