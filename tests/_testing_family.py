@@ -110,3 +110,16 @@ def batch(model: nn.Module, generator: torch.Generator) -> torch.Tensor:
 
 def loss(out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
+
+
+def deeploop(R: int) -> Loop:
+    """``factory(R)`` for ``python -m proofs_check --model _testing_family:deeploop``."""
+    return loop(R=R)
+
+
+def wrong_scale(R: int) -> Loop:
+    return loop(R=R, bug="scale")
+
+
+def inputs(model: nn.Module) -> torch.Tensor:
+    return batch(model, torch.Generator().manual_seed(0))
