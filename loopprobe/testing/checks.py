@@ -31,6 +31,7 @@ def _fmt(xs: Sequence[float]) -> str:
 
 
 def _fail(call: str, what: str, figures: str, fix: str = "") -> None:
+    __tracebackhide__ = True  # pytest shows the user's line, not this one
     msg = f"{call}: {what}\n  {figures}"
     raise AssertionError(msg + (f"\n  {fix}" if fix else ""))
 
@@ -80,6 +81,7 @@ def check_updates_sum_to_tied_gradient(
 
     Fails when the probe sees fewer (or other) uses of a shared parameter than autograd:
     a parameter also used outside its module call (``F.linear(h, block.weight)``)."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_updates_sum_to_tied_gradient"
     with _blame_model(call, model, batch, forward), lp.attach(model, sublayers) as probe:
         groups = probe.groups(batch, forward, seed=seed)
@@ -130,6 +132,7 @@ def check_kappa_in_range(
 ) -> lp.AlignmentReport:
     """``0 <= kappa_j <= R_j`` for every loop-body sublayer, from converged estimates
     (seed 002, Eq. 12; ``slack`` relative). Returns the alignment report."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_kappa_in_range"
     forward = alignment_kwargs.get("forward")
     with _blame_model(call, model, batch, forward), lp.attach(model, sublayers) as probe:
@@ -215,6 +218,7 @@ def check_probe_leaves_model_unchanged(
     When something changed, a plain forward of a copy of the model is run too, to say
     whether the model's own forward writes its state (a block re-initialised at every
     visit, a counter buffer) rather than the probe."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_probe_leaves_model_unchanged"
     before = _snapshot(model)
     with _blame_model(call, model, batch, forward):
@@ -256,6 +260,7 @@ def check_first_order_change(
 
     Fails when the step does not reach the output the way autograd says it does: a model
     that re-initialises (or otherwise overwrites) its block inside forward."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_first_order_change"
     fwd = bound_kwargs.get("forward")
     with _blame_model(call, model, batch, fwd), lp.attach(model) as probe:
@@ -295,6 +300,7 @@ def check_bound(
 ) -> lp.BoundCheck:
     """``||Delta F|| / ||F|| <= C_max * M_g kappa_R (beta/alpha)^2`` after one step, with
     converged estimates (seed 002, Eq. 14; ``C_max`` is the constant you state)."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_bound"
     fwd = bound_kwargs.get("forward")
     with _blame_model(call, model, batch, fwd), lp.attach(model) as probe:
@@ -330,6 +336,7 @@ def check_bound_slope(
     ``model_or_factory``: a model drawn by :func:`loopprobe.testing.configs` (its family is
     rebuilt at each R with the same other settings and batch seed) or a factory ``R ->
     model`` (then ``batch`` is a tensor or ``batch(model)``)."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_bound_slope"
     rebuild = rebuilder(model_or_factory, batch, call)
     built = {R: rebuild(R) for R in Rs}
@@ -372,6 +379,7 @@ def check_increment_growth(
 ) -> np.ndarray:
     """The growth exponent over R of ``||h_R - h_0|| / ||h_0||`` (the forward increments'
     accumulation, DESIGN.md §3) lies in ``band``. Returns the growth per R."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_increment_growth"
     rebuild = rebuilder(model_or_factory, batch, call)
     growth, reasons = [], []
@@ -412,6 +420,7 @@ def check_fixed_point_contracts(
 
     ``model`` is a :class:`loopprobe.RoundMap`, or a model with ``module`` naming the
     module that runs one round (:func:`loopprobe.replay_round`)."""
+    __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_fixed_point_contracts"
     if isinstance(model, lp.RoundMap):
         rm = model
