@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+import torch
 from _testing_family import batch, loop, loss
 from hypothesis import given
 
@@ -125,3 +126,23 @@ def test_pyproject_registers_the_plugin_and_the_testing_extra():
     assert meta["entry-points"]["pytest11"] == {"loopprobe": "loopprobe.testing.plugin"}
     extra = meta["optional-dependencies"]["testing"]
     assert {e.split(">")[0] for e in extra} == {"pytest", "hypothesis"}
+
+
+def test_float_ranges_are_log_uniform_within_bounds_and_lists_offer_their_choices():
+    from hypothesis import find
+
+    seen = []
+
+    def factory(init_scale, dtype):
+        seen.append((init_scale, dtype))
+        return loop(R=2, d=4).to(dtype)
+
+    strategy = lpt.configs(
+        factory, batch=batch, init_scale=(0.5, 2.0), dtype=[torch.float64, torch.float32]
+    )
+    big = find(strategy, lambda c: c.params["init_scale"] > 1.5)  # shrinks toward the low end
+    assert 1.5 < big.params["init_scale"] <= 2.0 and big.params["dtype"] == torch.float64
+    assert all(0.5 <= s <= 2.0 for s, _ in seen) and {d for _, d in seen} == {
+        torch.float64,
+        torch.float32,
+    }
