@@ -4,6 +4,7 @@ pytest or hypothesis; pyproject registers the plugin and the `testing` extra."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -62,6 +63,14 @@ def test_bad_ranges_and_a_factory_that_returns_no_module_are_clear_errors():
         lpt.settings("fast")
 
 
+def _plugin() -> list[str]:
+    """``-p loopprobe.testing.plugin`` unless the installed entry point already loads it
+    (naming it twice would register it twice)."""
+    eps = importlib.metadata.entry_points(group="pytest11")
+    installed = any(ep.value == "loopprobe.testing.plugin" for ep in eps)
+    return [] if installed else ["-p", "loopprobe.testing.plugin"]
+
+
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")  # as tests/conftest.py
@@ -91,7 +100,7 @@ def test_the_plugin_runs_a_users_property_tests_and_reports_a_shrunk_explained_f
             """
         )
     )
-    args = ["-m", "pytest", "-p", "loopprobe.testing.plugin", "-q", "-p", "no:cacheprovider"]
+    args = ["-m", "pytest", *_plugin(), "-q", "-p", "no:cacheprovider"]
     out = _run([*args, "--loopprobe-profile=ci", "test_user.py"], tmp_path)
     text = out.stdout + out.stderr
     assert "1 failed, 1 passed" in text, text[-3000:]
