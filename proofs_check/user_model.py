@@ -42,7 +42,11 @@ def _outcome(run: Callable[[], str]) -> Outcome:
         return Outcome(True, run())
     except AssertionError as err:
         lines = str(err).splitlines()
-        return Outcome(False, lines[0].split(": ", 1)[-1][:160], "\n".join(lines))
+        first, prefix = lines[0], ""
+        if first.startswith("R="):  # "R=4: check_bound: what" -> "R=4: what"
+            prefix, _, first = first.partition(": ")
+            prefix += ": "
+        return Outcome(False, (prefix + first.partition(": ")[2])[:160], "\n".join(lines))
 
 
 def user_checks(
@@ -71,7 +75,10 @@ def user_checks(
             figs = []
             for R in Rs:
                 m, x = build(R)
-                figs.append(f"R={R}: {fig(check(m, x, loss_fn, **kw))}")
+                try:
+                    figs.append(f"R={R}: {fig(check(m, x, loss_fn, **kw))}")
+                except AssertionError as err:
+                    raise AssertionError(f"R={R}: {err}") from err
             return "; ".join(figs)
 
         return lambda profile: _outcome(run)
