@@ -1,5 +1,9 @@
 """``python -m proofs_check [--json] [--thorough] [--only TEXT]``: run every check.
 
+``--model pkg.mod:factory`` (with ``--inputs``, ``--loss``, ``--R``, ``--max-slope``,
+``--C-max``) runs the statements about a model on your own family instead
+(proofs_check/user_model.py).
+
 Prints one row per check and a summary; exits 1 when any statement does not pass or any
 wrong variant does not fail (or a check crashes), else 0.
 """
@@ -43,9 +47,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", default=None, help="run only checks whose name or module contains this"
     )
+    user = ap.add_argument_group("your own model family (runs only the statements about a model)")
+    user.add_argument("--model", default=None, metavar="PKG.MOD:FACTORY", help="factory(R)")
+    user.add_argument("--inputs", default=None, metavar="PKG.MOD:FN", help="fn(model) -> inputs")
+    user.add_argument("--loss", default=None, metavar="PKG.MOD:FN", help="fn(output, inputs)")
+    user.add_argument("--R", default="2,4,8", help="loop counts, comma-separated (2,4,8)")
+    user.add_argument("--max-slope", type=float, default=None, help="claimed slope in R, upper")
+    user.add_argument("--min-slope", type=float, default=None, help="claimed slope in R, lower")
+    user.add_argument("--C-max", dest="C_max", type=float, default=None, help="claimed constant")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    results = pc.run_all("thorough" if args.thorough else "ci", only=args.only)
+    if args.model is not None:
+        from proofs_check.user_model import run_user_model
+
+        results = run_user_model(
+            args.model,
+            "thorough" if args.thorough else "ci",
+            inputs=args.inputs,
+            loss=args.loss,
+            Rs=[int(r) for r in args.R.split(",")],
+            max_slope=args.max_slope,
+            min_slope=args.min_slope,
+            C_max=args.C_max,
+        )
+    else:
+        results = pc.run_all("thorough" if args.thorough else "ci", only=args.only)
     elapsed = time.perf_counter() - t0
     bad = [r for r in results if not r.ok]
     if args.json:
