@@ -7,7 +7,8 @@ AdamW, warmup then linear decay to 10%. Each (width, budget) gets tokens D = C /
 N_fwd = n_once + r n_rec (the paper's accounting, injection included). n_once / n_rec are
 read from the model's visit table (lp.scaling.param_split), not from a formula.
 
-    python scripts/iso_depth_runs.py                 # the shipped CSV (~5 CPU-minutes)
+    python scripts/iso_depth_runs.py --seed 0; python scripts/iso_depth_runs.py --seed 1
+                                        # the shipped CSV (two seeds, ~15 CPU-minutes)
     python scripts/iso_depth_runs.py --quick --out /tmp/x.csv   # seconds, a smoke test
 
 Runs already in --out are skipped (resumable). One thread.
@@ -111,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         for d in widths:
             for r in (1, 2, 4):
                 if any(
-                    math.isclose(x["budget"], budget) and x["d"] == d and x["r"] == r for x in rows
+                    math.isclose(x["budget"], budget)
+                    and (x["d"], x["r"], x["seed"]) == (d, r, args.seed)
+                    for x in rows
                 ):
                     continue
                 row = train(r, d, budget, args.seed, val)
