@@ -58,6 +58,7 @@ from loopprobe.lrtransfer import (
     lr_transfer,
     reference_lr_transfer,
 )
+from loopprobe.scaling import fit_recurrence_law as fit_recurrence_law  # and lp.scaling
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
 from loopprobe.threads import threads  # opt-in: with lp.threads(1): ... (restores)

@@ -416,6 +416,9 @@ def fit_law(
         reason = "best restart did not converge: " + reason
     elif hits < 2:
         reason = "only one restart reached the best objective (add restarts): " + reason
+    edge = [NAMES[i] for i in free if min(abs(best[i] - b) for b in BOX[NAMES[i]]) < 1e-6]
+    if edge:  # a bound is active: that parameter is not identified inside the box
+        reason += f"; at the box bound: {', '.join(edge)}"
     a, al, b, be, e, phi = best
     params = {"A": math.exp(a), "alpha": al, "B": math.exp(b), "beta": be, "E": math.exp(e)}
     if form == "joint":
