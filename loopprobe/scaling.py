@@ -14,8 +14,11 @@ sum_i Huber_delta(LSE(a - alpha log N_eff_i, b - beta log D_i, e) - log L_i), de
 a = log A, b = log B, e = log E, with L-BFGS-B and an analytic gradient, best of several
 random starts drawn uniformly in the paper's box. Near the optimum that sum is ~1e-4, and
 scipy's default stopping rule (relative decrease below 2.2e-9 of max(|f|, 1)) stops far
-from it; so the objective is divided by delta^2 and the tolerances are tight, which makes
-the result independent of the restart seed (tested). CI: block bootstrap over
+from it; so the objective is divided by delta^2 and the tolerances are tight. Tight
+tolerances alone do not make a few uniform starts repeatable (on the paper's grid about 1
+in 5 lands in the global basin), so every fit also starts from the best points of a small
+(alpha, beta, phi) grid with (E, A, B) by non-negative least squares; with those the
+result does not depend on the restart seed (tested). CI: block bootstrap over
 (budget, architecture) cells (App. F.2).
 
 Example::
