@@ -59,6 +59,7 @@ from loopprobe.lrtransfer import (
     reference_lr_transfer,
 )
 from loopprobe.probe import Probe, attach
+from loopprobe.scaling import fit_recurrence_law  # and lp.scaling
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.sweeps import grid, sweep
 from loopprobe.threads import threads  # opt-in: with lp.threads(1): ... (restores)
@@ -141,5 +142,6 @@ __all__ = [
     "theory",
     "threads",
     "visit_function",
+    "fit_recurrence_law",
     "VisitFunction",
 ]

@@ -33,6 +33,7 @@ MODULES = (
     "positive_gain",
     "scale_error",
     "recurrence_worth",
+    "recurrence_fit",
 )
 
 for _m in MODULES:

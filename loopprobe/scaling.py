@@ -1,0 +1,695 @@
+"""How much is one recurrence worth: the iso-depth joint scaling law and its exponent phi.
+
+Joint law (seed 001, arXiv 2604.21106, Eq. 3)::
+
+    L(N_once, N_rec, D, r) = E + A (N_once + r^phi N_rec)^(-alpha) + B D^(-beta)
+
+``N_once``: parameters visited once per forward (prelude, coda); ``N_rec``: parameters
+visited on every recurrence (the looped blocks and the input-injection layer); ``r``: the
+recurrence count; ``D``: training tokens. phi = 1: r loops are worth r unique blocks;
+phi = 0: no capacity gain. The paper measures phi = 0.459 [0.41, 0.53] on 116 runs.
+
+Fit (Eq. 4, the Chinchilla form): minimise
+sum_i Huber_delta(LSE(a - alpha log N_eff_i, b - beta log D_i, e) - log L_i), delta = 1e-3,
+a = log A, b = log B, e = log E, with L-BFGS-B and an analytic gradient, best of several
+random starts drawn uniformly in the paper's box. Near the optimum that sum is ~1e-4, and
+scipy's default stopping rule (relative decrease below 2.2e-9 of max(|f|, 1)) stops far
+from it; so the objective is divided by delta^2 and the tolerances are tight. Tight
+tolerances alone do not make a few uniform starts repeatable (on the paper's grid about 1
+in 5 lands in the global basin), so every fit also starts from the best points of a small
+(alpha, beta, phi) grid with (E, A, B) by non-negative least squares; with those the
+result does not depend on the restart seed (tested). CI: block bootstrap over
+(budget, architecture) cells (App. F.2).
+
+Example::
+
+    fit = lp.scaling.fit_recurrence_law(df, bootstrap=200)   # columns: COLUMNS
+    print(fit.params["phi"], fit.ci["phi"], fit.r2, fit.converged)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import minimize, nnls
+
+__all__ = [
+    "BOX",
+    "COLUMNS",
+    "DELTA",
+    "LawFit",
+    "ParamSplit",
+    "check_runs",
+    "fit_law",
+    "fit_recurrence_law",
+    "paper_grid",
+    "param_split",
+    "predict",
+    "synthetic_runs",
+]
+
+COLUMNS = ("loss", "r", "n_once", "n_rec", "tokens", "budget")
+NAMES = ("a", "alpha", "b", "beta", "e", "phi")
+BOX = {
+    "a": (-5.0, 35.0),
+    "alpha": (0.0, 2.5),
+    "b": (-5.0, 35.0),
+    "beta": (0.0, 2.5),
+    "e": (-3.0, 2.0),
+    "phi": (-3.0, 3.0),
+}
+DELTA = 1e-3
+TIGHT = {"ftol": 1e-15, "gtol": 1e-10, "maxiter": 10_000, "maxfun": 20_000}
+
+# ------------------------------------------------------------------------- BLAS threads
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """Run the block with OpenBLAS at one thread (this thread only), then restore.
+
+    scipy's L-BFGS-B calls BLAS on vectors of length 6; with OpenBLAS's default threads
+    each call spins up workers, which made every iteration ~25x slower on a loaded 2-core
+    machine (4 ms vs 0.15 ms). No-op where no OpenBLAS with a thread-local setter is loaded.
+    """
+    setters = []
+    try:
+        with open("/proc/self/maps") as fh:
+            libs = {ln.split()[-1] for ln in fh if "openblas" in ln.lower() and ".so" in ln}
+    except OSError:
+        libs = set()
+    for path in sorted(libs):
+        with contextlib.suppress(OSError, AttributeError):
+            setters.append(ctypes.CDLL(path).openblas_set_num_threads_local)
+    previous = [f(1) for f in setters]
+    try:
+        yield
+    finally:
+        for f, n in zip(setters, previous, strict=True):
+            f(n)
+
+
+# ------------------------------------------------------------------------- data
+
+
+def check_runs(df: Any, call: str = "fit_recurrence_law") -> pd.DataFrame:
+    """Validate a tidy frame of runs; returns a copy with ``arch`` (default: ``r``) added."""
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"{call}: expected a pandas DataFrame of runs, got {type(df).__name__}")
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(
+            f"{call}: missing column(s) {missing}; the runs need columns {list(COLUMNS)} "
+            "(+ optional arch, seed)"
+        )
+    out = df.copy()
+    for c in COLUMNS:
+        v = pd.to_numeric(out[c], errors="coerce")
+        if v.isna().any():
+            raise ValueError(f"{call}: column {c!r} has non-numeric or empty values")
+        out[c] = v.astype(float)
+    for c in ("loss", "r", "tokens", "budget"):
+        bad = out.index[out[c] <= 0]
+        if len(bad):
+            raise ValueError(
+                f"{call}: column {c!r} must be > 0, got {out.loc[bad[0], c]!r} (row {bad[0]})"
+            )
+    for c in ("n_once", "n_rec"):
+        if (out[c] < 0).any():
+            raise ValueError(f"{call}: column {c!r} must be >= 0")
+    if ((out.n_once + out.n_rec) <= 0).any():
+        raise ValueError(f"{call}: n_once + n_rec must be > 0 on every run")
+    looped = out.r > 1
+    if (looped & (out.n_rec <= 0)).any():
+        raise ValueError(f"{call}: runs with r > 1 need n_rec > 0 (the looped parameters)")
+    if "arch" not in out.columns:
+        out["arch"] = out["r"].map(lambda v: f"r={v:g}")
+    out["arch"] = out["arch"].astype(str)
+    return out.reset_index(drop=True)
+
+
+def _check_budgets(df: pd.DataFrame, call: str) -> None:
+    if df["r"].nunique() < 2:
+        raise ValueError(f"{call}: all runs have the same r; phi needs at least two values of r")
+    per = df.groupby("budget")["arch"].nunique()
+    lone = per[per < 2]
+    if len(lone):
+        raise ValueError(
+            f"{call}: budget {lone.index[0]:g} has runs of one architecture only; the joint "
+            "law compares architectures at the same budget (add runs or drop that budget)"
+        )
+
+
+# ------------------------------------------------------------------------- the law
+
+
+def _log_neff(theta: np.ndarray, X: dict) -> tuple[np.ndarray, np.ndarray]:
+    """log N_eff and d log N_eff / d phi."""
+    rp = X["r"] ** theta[5]
+    neff = X["n_once"] + rp * X["n_rec"]
+    return np.log(neff), rp * X["logr"] * X["n_rec"] / neff
+
+
+def _terms(theta: np.ndarray, X: dict):
+    a, al, b, be, e, _ = theta
+    logn, dphi = _log_neff(theta, X)
+    t = np.stack([a - al * logn, b - be * X["logd"], np.full_like(logn, e)])
+    m = t.max(0)
+    w = np.exp(t - m)
+    s = w.sum(0)
+    return m + np.log(s), w / s, logn, dphi
+
+
+def predict(params: dict, df: pd.DataFrame) -> np.ndarray:
+    """Predicted loss of the law with ``params`` (A, alpha, B, beta, E, phi) on ``df``'s runs."""
+    theta = np.array(
+        [
+            math.log(params["A"]),
+            params["alpha"],
+            math.log(params["B"]),
+            params["beta"],
+            math.log(params["E"]),
+            params.get("phi", 0.0),
+        ]
+    )
+    return np.exp(_terms(theta, _design(df))[0])
+
+
+def _design(df: pd.DataFrame) -> dict:
+    return {
+        "r": df["r"].to_numpy(float),
+        "logr": np.log(df["r"].to_numpy(float)),
+        "n_once": df["n_once"].to_numpy(float),
+        "n_rec": df["n_rec"].to_numpy(float),
+        "logd": np.log(df["tokens"].to_numpy(float)),
+    } | (
+        {"y": df["loss"].to_numpy(float), "logy": np.log(df["loss"].to_numpy(float))}
+        if "loss" in df.columns
+        else {}
+    )
+
+
+def objective(theta: np.ndarray, X: dict, target: str = "log", delta: float = DELTA):
+    """Huber sum and its gradient in (a, alpha, b, beta, e, phi).
+
+    ``target="log"``: residual LSE - log L (the paper's Eq. 4); ``"raw"``: exp(LSE) - L
+    (a wrong variant kept to show that it fails).
+    """
+    lse, w, logn, dphi = _terms(theta, X)
+    if target == "log":
+        res, dres = lse - X["logy"], np.ones_like(lse)
+    else:
+        pred = np.exp(lse)
+        res, dres = pred - X["y"], pred
+    small = np.abs(res) <= delta
+    f = np.where(small, 0.5 * res**2, delta * (np.abs(res) - 0.5 * delta)).sum()
+    h = np.where(small, res, delta * np.sign(res)) * dres
+    g = np.array(
+        [
+            (h * w[0]).sum(),
+            -(h * w[0] * logn).sum(),
+            (h * w[1]).sum(),
+            -(h * w[1] * X["logd"]).sum(),
+            (h * w[2]).sum(),
+            -(h * w[0] * theta[1] * dphi).sum(),
+        ]
+    )
+    return f, g
+
+
+# ------------------------------------------------------------------------- fitting
+
+
+@dataclass
+class LawFit:
+    """A fitted law.
+
+    ``params``: A, alpha, B, beta, E, phi (phi absent for the standard law); ``fixed``:
+    the parameters held fixed; ``huber``: the objective (unscaled, as in the paper's
+    tables); ``r2`` on the loss; ``residuals``: per run (actual - predicted, nats);
+    ``cells``: per (budget, arch) cell n, mean, max |resid|, RMSE; ``ci``: 95% block-
+    bootstrap intervals (empty without bootstrap); ``converged``/``reason``: the best
+    restart stopped on the tolerance AND at least two restarts reached the same optimum.
+    """
+
+    form: str
+    params: dict
+    fixed: dict
+    huber: float
+    r2: float
+    rmse: float
+    residuals: pd.DataFrame
+    cells: pd.DataFrame
+    converged: bool
+    reason: str
+    restarts: int
+    hits: int
+    n: int
+    ci: dict = field(default_factory=dict)
+    bootstrap: np.ndarray | None = None
+    restricted: dict = field(default_factory=dict)
+
+    def plot(self):
+        """Loss vs N_eff per architecture (markers: runs; lines: the fitted law per budget)."""
+        from loopprobe.plots import _figure, _palette
+
+        fig, axes = _figure()
+        ax = axes[0][0]
+        df = self.residuals
+        phi = self.params.get("phi", 1.0)
+        neff = df.n_once + df.r**phi * df.n_rec
+        archs = sorted(df.arch.unique())
+        colors = dict(zip(archs, _palette(len(archs)), strict=True))
+        for arch in archs:
+            m = df.arch == arch
+            ax.scatter(neff[m], df.loss[m], s=16, color=colors[arch], label=arch, zorder=3)
+        for budget, sub in df.assign(neff=neff).groupby("budget"):
+            sub = sub.sort_values("neff")
+            ax.plot(sub.neff, sub.predicted, color="0.4", lw=0.8, zorder=2)
+            ax.annotate(f"C={budget:.2g}", (sub.neff.iloc[0], sub.predicted.iloc[0]), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"N_eff = N_once + r^phi N_rec  (phi = {phi:.3f})")
+        ax.set_ylabel("loss (nats)")
+        ax.set_title(f"{self.form} law, R^2 = {self.r2:.4f}")
+        ax.legend(fontsize=8)
+        return fig
+
+    def summary(self) -> dict:
+        """Plain-float summary (JSON-ready)."""
+        out = {
+            "form": self.form,
+            "n": self.n,
+            **{k: float(v) for k, v in self.params.items()},
+            "huber": self.huber,
+            "r2": self.r2,
+            "rmse": self.rmse,
+            "converged": self.converged,
+            "reason": self.reason,
+            "restarts": self.restarts,
+            "hits": self.hits,
+        }
+        if self.ci:
+            out["ci"] = {k: [float(lo), float(hi)] for k, (lo, hi) in self.ci.items()}
+        if self.restricted:
+            out["restricted"] = {k: v.summary() for k, v in self.restricted.items()}
+        return out
+
+
+def _minimize(theta0, X, free, fixed_theta, target, options, scale):
+    def fun(z):
+        th = fixed_theta.copy()
+        th[free] = z
+        f, g = objective(th, X, target)
+        return f * scale, g[free] * scale
+
+    bounds = [BOX[NAMES[i]] for i in free]
+    z0 = np.clip(theta0[free], [b[0] for b in bounds], [b[1] for b in bounds])
+    res = minimize(fun, z0, jac=True, method="L-BFGS-B", bounds=bounds, options=options)
+    th = fixed_theta.copy()
+    th[free] = res.x
+    return th, res.fun / scale, res
+
+
+GRID = {"alpha": (0.1, 0.25, 0.5), "beta": (0.1, 0.25, 0.5), "phi": (0.0, 0.5, 1.0)}
+
+
+def linear_starts(X: dict, fixed_theta: np.ndarray, free: np.ndarray, k: int) -> list:
+    """``k`` data-informed starting points: on a grid of (alpha, beta, phi) the law is linear
+    in (E, A, B), solved by non-negative least squares on the loss; the best ``k`` by SSE."""
+    fixed = {NAMES[i] for i in range(6) if i not in free}
+    axes = {n: ((fixed_theta[NAMES.index(n)],) if n in fixed else v) for n, v in GRID.items()}
+    cands = []
+    for al in axes["alpha"]:
+        for be in axes["beta"]:
+            for phi in axes["phi"]:
+                neff = X["n_once"] + X["r"] ** phi * X["n_rec"]
+                M = np.stack([np.ones_like(neff), neff**-al, np.exp(-be * X["logd"])], 1)
+                coef, rnorm = nnls(M, X["y"])
+                e, A, B = np.maximum(coef, 1e-12)
+                cands.append((rnorm, [math.log(A), al, math.log(B), be, math.log(e), phi]))
+    cands.sort(key=lambda c: c[0])
+    return [np.array(c[1]) for c in cands[:k]]
+
+
+def _best(X, free, fixed_theta, starts, restarts, seed, target, options, rescale, call,
+          informed=0):  # fmt: skip
+    """Best of the given starts, ``informed`` linear starts and ``restarts`` uniform draws."""
+    opts = TIGHT if options is None else options
+    scale = 1.0 / DELTA**2 if rescale else 1.0
+    rng = np.random.default_rng(seed)
+    lo = np.array([BOX[k][0] for k in NAMES])
+    hi = np.array([BOX[k][1] for k in NAMES])
+    points = [np.asarray(s, float) for s in (starts or [])]
+    if informed:
+        points += linear_starts(X, fixed_theta, free, informed)
+    points += [rng.uniform(lo, hi) for _ in range(restarts)]
+    found = []
+    with one_blas_thread():
+        for p0 in points:
+            th, f, res = _minimize(p0, X, free, fixed_theta, target, opts, scale)
+            if np.all(np.isfinite(th)) and np.isfinite(f):
+                found.append((f, th, res))
+    if not found:
+        raise RuntimeError(f"{call}: every restart failed (non-finite objective)")
+    found.sort(key=lambda t: t[0])
+    fbest, best, res = found[0]
+    hits = sum(f <= fbest + 1e-9 * max(fbest, DELTA**2) for f, _, _ in found)
+    return found, fbest, best, res, hits
+
+
+def fit_law(
+    df: pd.DataFrame,
+    *,
+    form: str = "joint",
+    fixed: dict | None = None,
+    restarts: int = 8,
+    seed: int = 0,
+    starts: list | None = None,
+    informed: int = 4,
+    target: str = "log",
+    options: dict | None = None,
+    rescale: bool = True,
+    call: str = "fit_law",
+) -> LawFit:
+    """One fit: L-BFGS-B from ``informed`` data-informed starts (:func:`linear_starts`),
+    ``restarts`` uniform draws in the paper's box (seeded by ``seed``) and any ``starts``;
+    the best objective wins. ``informed=0`` is the paper's protocol (random starts only).
+
+    ``form``: ``joint`` (phi free unless fixed) or ``standard`` (N = n_once + n_rec, the
+    per-architecture Chinchilla law, Eq. 2). ``fixed``: e.g. ``{"phi": 0.0}``.
+    ``options``/``rescale``: the solver's stopping rule (default tight, objective / delta^2);
+    ``options={}, rescale=False`` is scipy's default (shown to fail on the paper's grid).
+    """
+    if form not in ("joint", "standard"):
+        raise ValueError(f"{call}: form={form!r}; use 'joint' or 'standard'")
+    if target not in ("log", "raw"):
+        raise ValueError(f"{call}: target={target!r}; use 'log' (the paper's) or 'raw'")
+    if not isinstance(restarts, int) or restarts < 0 or (restarts + informed == 0 and not starts):
+        raise ValueError(f"{call}: restarts={restarts!r}; give an integer >= 1")
+    fixed = dict(fixed or {})
+    if form == "standard":
+        fixed["phi"] = 1.0  # N = n_once + r n_rec ... replaced below by unique N
+    bad = [k for k in fixed if k not in NAMES]
+    if bad:
+        raise ValueError(f"{call}: fixed={fixed}: unknown {bad}; use names from {NAMES}")
+    X = _design(df)
+    if form == "standard":  # unique parameters N = n_once + n_rec: r = 1 in the formula
+        X = dict(X, r=np.ones_like(X["r"]), logr=np.zeros_like(X["r"]))
+    fixed_theta = np.zeros(6)
+    for k, v in fixed.items():
+        fixed_theta[NAMES.index(k)] = v
+    free = np.array([i for i, k in enumerate(NAMES) if k not in fixed])
+    found, fbest, best, res, hits = _best(
+        X, free, fixed_theta, starts, restarts, seed, target, options, rescale, call, informed
+    )
+    msg = res.message if isinstance(res.message, str) else res.message.decode()
+    # ABNORMAL: the line search found no decrease at machine precision; at an optimum that
+    # other restarts reach too, this is the tight tolerance's normal stop.
+    stopped = bool(res.success) or msg.startswith("ABNORMAL")
+    converged = stopped and hits >= 2
+    reason = f"{msg.strip() or 'stopped'}; best objective reached by {hits}/{len(found)} restarts"
+    if not stopped:
+        reason = "best restart did not converge: " + reason
+    elif hits < 2:
+        reason = "only one restart reached the best objective (add restarts): " + reason
+    edge = [NAMES[i] for i in free if min(abs(best[i] - b) for b in BOX[NAMES[i]]) < 1e-6]
+    if edge:  # a bound is active: that parameter is not identified inside the box
+        reason += f"; at the box bound: {', '.join(edge)}"
+    a, al, b, be, e, phi = best
+    params = {"A": math.exp(a), "alpha": al, "B": math.exp(b), "beta": be, "E": math.exp(e)}
+    if form == "joint":
+        params["phi"] = phi
+    pred = np.exp(_terms(best, X)[0])
+    resid = X["y"] - pred
+    r2 = 1.0 - float((resid**2).sum() / ((X["y"] - X["y"].mean()) ** 2).sum())
+    rtab = df[["budget", "arch", "r", "n_once", "n_rec", "tokens", "loss"]].copy()
+    rtab["predicted"], rtab["residual"] = pred, resid
+    cells = (
+        rtab.groupby(["budget", "arch"])["residual"]
+        .agg(
+            n="size",
+            mean="mean",
+            max_abs=lambda v: float(np.abs(v).max()),
+            rmse=lambda v: float(np.sqrt((v**2).mean())),
+        )
+        .reset_index()
+    )
+    return LawFit(
+        form=form,
+        params={k: float(v) for k, v in params.items()},
+        fixed={k: float(v) for k, v in fixed.items() if form == "joint" or k != "phi"},
+        huber=float(fbest),
+        r2=r2,
+        rmse=float(np.sqrt((resid**2).mean())),
+        residuals=rtab,
+        cells=cells,
+        converged=converged,
+        reason=reason,
+        restarts=len(found),
+        hits=int(hits),
+        n=len(df),
+    )
+
+
+def _theta(fit: LawFit) -> np.ndarray:
+    p = fit.params
+    return np.array(
+        [
+            math.log(p["A"]),
+            p["alpha"],
+            math.log(p["B"]),
+            p["beta"],
+            math.log(p["E"]),
+            p.get("phi", 0.0),
+        ]
+    )
+
+
+def fit_recurrence_law(
+    df: pd.DataFrame,
+    *,
+    bootstrap: int = 200,
+    restarts: int = 8,
+    boot_restarts: int = 2,
+    seed: int = 0,
+    restricted: bool = True,
+    level: float = 0.95,
+) -> LawFit:
+    """Fit the joint law (phi free) to runs; block-bootstrap CI; restricted phi = 0 / 1 fits.
+
+    ``df``: one row per run with columns ``COLUMNS`` (+ optional ``arch``, ``seed``);
+    ``loss`` in nats, ``tokens`` the training tokens D, ``budget`` the compute budget
+    (it defines the cells with ``arch``, default ``r``). ``bootstrap``: resamples of the
+    (budget, arch) cells (0: none); each refit starts from the full-data optimum plus
+    ``boot_restarts`` random points. ``fit.restricted``: ``{"phi=0": ..., "phi=1": ...}``.
+    """
+    call = "fit_recurrence_law"
+    df = check_runs(df, call)
+    _check_budgets(df, call)
+    if not isinstance(bootstrap, int) or bootstrap < 0:
+        raise ValueError(f"{call}: bootstrap={bootstrap!r}; give an integer >= 0 (e.g. 200)")
+    if not 0 < level < 1:
+        raise ValueError(f"{call}: level={level!r} must lie in (0, 1)")
+    fit = fit_law(df, restarts=restarts, seed=seed, call=call)
+    if restricted:
+        fit.restricted = {
+            f"phi={v:g}": fit_law(df, fixed={"phi": v}, restarts=restarts, seed=seed, call=call)
+            for v in (0.0, 1.0)
+        }
+    if bootstrap:
+        fit.bootstrap, fit.ci = block_bootstrap(
+            df, fit, bootstrap, boot_restarts=boot_restarts, seed=seed, level=level
+        )
+    return fit
+
+
+def block_bootstrap(
+    df: pd.DataFrame,
+    fit: LawFit,
+    n: int,
+    *,
+    boot_restarts: int = 2,
+    seed: int = 0,
+    level: float = 0.95,
+) -> tuple[np.ndarray, dict]:
+    """Resample the (budget, arch) cells with replacement, refit, percentile intervals."""
+    rng = np.random.default_rng(seed + 1)
+    groups = [idx.to_numpy() for _, idx in df.groupby(["budget", "arch"]).groups.items()]
+    X = _design(df)
+    free = np.arange(6)
+    start = _theta(fit)
+    draws = []
+    for k in range(n):
+        pick = rng.integers(len(groups), size=len(groups))
+        rows = np.concatenate([groups[i] for i in pick])
+        sub = {key: v[rows] for key, v in X.items()}
+        best = _best(sub, free, np.zeros(6), [start], boot_restarts, seed + 7919 * (k + 1),
+                     "log", None, True, "block_bootstrap")[2]  # fmt: skip
+        a, al, b, be, e, phi = best
+        draws.append([math.exp(a), al, math.exp(b), be, math.exp(e), phi])
+    draws = np.array(draws)
+    q = 100 * (1 - level) / 2
+    ci = {
+        p: tuple(np.percentile(draws[:, i], [q, 100 - q]))
+        for i, p in enumerate(("A", "alpha", "B", "beta", "E", "phi"))
+    }
+    return draws, ci
+
+
+# ------------------------------------------------------------------------- the paper's grid
+
+BUDGETS = (4.64e17, 1e18, 2.15e18, 4.64e18, 1e19, 2.15e19)
+# Table 6 (App. E): training tokens (B) of the r = 1 run per (width s, budget)
+TABLE6_TOKENS = {
+    6: {4.64e17: 0.98, 1e18: 2.10},
+    8: {4.64e17: 0.64, 1e18: 1.36, 2.15e18: 2.95},
+    10: {4.64e17: 0.45, 1e18: 0.97, 2.15e18: 2.08, 4.64e18: 4.49},
+    12: {4.64e17: 0.34, 1e18: 0.72, 2.15e18: 1.55, 4.64e18: 3.34, 1e19: 7.13},
+    14: {1e18: 0.56, 2.15e18: 1.20, 4.64e18: 2.59},
+    16: {2.15e18: 0.96, 4.64e18: 2.07, 1e19: 4.43},
+    18: {4.64e18: 1.70, 1e19: 3.62, 2.15e19: 7.78},
+    20: {4.64e18: 1.42, 1e19: 3.05},
+    24: {1e19: 2.20, 2.15e19: 4.71},
+    28: {2.15e19: 3.58},
+    34: {2.15e19: 2.52},
+}
+# Planted law: the paper's alpha, beta, E, phi (Table 2); A, B solved so the law passes
+# through the injection ablation's linear run (Table 5: s=10, r=4, 955M tokens, 2.793)
+# and the extrapolation's r = 1 run (Table 10: s=34, 47B tokens, 2.047).
+PAPER = {"alpha": 0.199, "beta": 0.369, "E": 1.57, "phi": 0.459}
+ANCHORS = ((4, 10, 0.955e9, 2.793), (1, 34, 47e9, 2.047))
+
+
+def split_counts(r: int, d: int, prelude: int = 2, coda: int = 2, depth: int = 20):
+    """Paper Sec. 3.2: (N_once, N_rec) with n_b = 12 d^2, injection n_i = 2 d^2 in N_rec."""
+    nb = 12 * d * d
+    if r == 1:
+        return depth * nb, 0
+    return (prelude + coda) * nb, (depth - prelude - coda) // r * nb + 2 * d * d
+
+
+def paper_grid(rs: tuple = (1, 2, 4, 8)) -> pd.DataFrame:
+    """The paper's 116-run iso-depth grid (without losses): r, s, d, n_once, n_rec, tokens, budget.
+
+    Tokens: Table 6 gives the r = 1 run; a looped run spends 6 * 2 r d^2 more FLOPs per
+    token on the injection, D_r = C / (C / D_1 + 12 r d^2) (reproduces Table 5's 955M).
+    """
+    rows = []
+    for r in rs:
+        for s, per in TABLE6_TOKENS.items():
+            d = 64 * s
+            n_once, n_rec = split_counts(r, d)
+            for c, tok in per.items():
+                d1 = tok * 1e9
+                D = d1 if r == 1 else c / (c / d1 + 12 * r * d * d)
+                rows.append((r, s, d, n_once, n_rec, D, c))
+    return pd.DataFrame(rows, columns=["r", "s", "d", "n_once", "n_rec", "tokens", "budget"])
+
+
+def planted_params() -> dict:
+    """The paper's alpha, beta, E, phi with A, B through the two ANCHORS (see above)."""
+    p = PAPER
+    M, y = [], []
+    for r, s, D, L in ANCHORS:
+        n_once, n_rec = split_counts(r, 64 * s)
+        M.append([(n_once + r ** p["phi"] * n_rec) ** -p["alpha"], D ** -p["beta"]])
+        y.append(L - p["E"])
+    A, B = np.linalg.solve(np.array(M), np.array(y))
+    return {"A": float(A), "alpha": p["alpha"], "B": float(B), "beta": p["beta"], "E": p["E"],
+            "phi": p["phi"]}  # fmt: skip
+
+
+def synthetic_runs(
+    params: dict | None = None,
+    grid: pd.DataFrame | None = None,
+    *,
+    noise: float = 0.010,
+    cell_noise: float = 0.0,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Losses from a planted law on a grid, plus Gaussian noise (nats) per run and per cell."""
+    params = planted_params() if params is None else params
+    grid = paper_grid() if grid is None else grid
+    out = grid.copy()
+    rng = np.random.default_rng(seed)
+    loss = predict(params, out) + noise * rng.standard_normal(len(out))
+    if cell_noise:
+        cells = out.groupby(["budget", "r"]).ngroup().to_numpy()
+        loss = loss + cell_noise * rng.standard_normal(cells.max() + 1)[cells]
+    out["loss"] = loss
+    return out
+
+
+# ------------------------------------------------------------------------- a user's model
+
+
+@dataclass
+class ParamSplit:
+    """Parameters visited once (``n_once``) vs on every recurrence (``n_rec``; visits > 1).
+
+    ``r``: the largest visit count (the recurrence count of a prelude/loop/coda model);
+    ``table``: the visit table the split was read from; ``unused``: sublayers not visited.
+    """
+
+    n_once: int
+    n_rec: int
+    r: int
+    table: pd.DataFrame
+    unused: list
+
+
+def _owners(model, norms: bool) -> list[str]:
+    import torch.nn as nn
+
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    names = []
+    for name, mod in model.named_modules():
+        ps = [p for p in mod._parameters.values() if p is not None]
+        if not ps or isinstance(mod, nn.Embedding) or any(id(p) in emb_ids for p in ps):
+            continue
+        if not norms and "norm" in type(mod).__name__.lower():
+            continue
+        names.append(name)
+    return names
+
+
+def param_split(
+    model,
+    inputs: Any,
+    *,
+    sublayers: list | None = None,
+    exclude: list | None = None,
+    norms: bool = False,
+    forward=None,
+) -> ParamSplit:
+    """Fill ``n_once``/``n_rec`` for a model from loopprobe's visit table.
+
+    Every module that directly owns parameters is one sublayer (default; or name them with
+    ``sublayers=``), except embeddings (and weights tied to them) and, unless
+    ``norms=True``, normalisation gains (the paper counts 12 d^2 per block and 2 d^2 for
+    the injection, no norms). ``exclude``: more patterns to drop (e.g. ``["lm_head"]``:
+    the paper counts non-embedding parameters without the unembedding). Sublayers visited
+    more than once are recurrent. The model is not changed (see :func:`loopprobe.attach`).
+    """
+    from loopprobe.visits import attach
+
+    names = list(sublayers) if sublayers is not None else _owners(model, norms)
+    if not names:
+        raise ValueError("param_split: the model has no parameter-owning module to count")
+    table = attach(model, sublayers=names, exclude=exclude).visit_table(inputs, forward=forward)
+    rec = table[table.visits > 1]
+    once = table[table.visits == 1]
+    return ParamSplit(
+        n_once=int(once.parameters.sum()),
+        n_rec=int(rec.parameters.sum()),
+        r=int(table.visits.max()),
+        table=table,
+        unused=table[table.visits == 0].sublayer.tolist(),
+    )
