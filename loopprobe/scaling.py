@@ -236,7 +236,8 @@ class LawFit:
     tables); ``r2`` on the loss; ``residuals``: per run (actual - predicted, nats);
     ``cells``: per (budget, arch) cell n, mean, max |resid|, RMSE; ``ci``: 95% block-
     bootstrap intervals (empty without bootstrap); ``converged``/``reason``: the best
-    restart stopped on the tolerance AND at least two restarts reached the same optimum.
+    restart stopped on the tolerance, at least two restarts reached the same optimum, and
+    no parameter sits at the paper's box bound (else ``reason`` says which failed).
     """
 
     form: str
@@ -421,7 +422,10 @@ def fit_law(
         reason = "only one restart reached the best objective (add restarts): " + reason
     edge = [NAMES[i] for i in free if min(abs(best[i] - b) for b in BOX[NAMES[i]]) < 1e-6]
     if edge:  # a bound is active: that parameter is not identified inside the box
-        reason += f"; at the box bound: {', '.join(edge)}"
+        reason += f"; at the box bound (not identified inside the box): {', '.join(edge)}"
+        converged = False
+    if converged:
+        reason = ""
     a, al, b, be, e, phi = best
     params = {"A": math.exp(a), "alpha": al, "B": math.exp(b), "beta": be, "E": math.exp(e)}
     if form == "joint":

@@ -7,6 +7,7 @@ and the command line.
 """
 
 import json
+import pathlib
 
 import numpy as np
 import pandas as pd
@@ -156,3 +157,9 @@ def test_cli_reports_a_bad_csv_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "missing column" in err and "\n" not in err
     assert main(["phi-fit", str(tmp_path / "none.csv")]) == 2
+
+
+def test_a_fit_with_a_parameter_at_the_box_bound_is_not_reported_converged():
+    csv = pathlib.Path(__file__).parents[1] / "docs" / "data" / "iso_depth_runs.csv"
+    fit = sc.fit_law(pd.read_csv(csv))  # the tiny demo: E runs into the paper's box
+    assert not fit.converged and "at the box bound" in fit.reason and "e" in fit.reason
