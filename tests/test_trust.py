@@ -17,7 +17,7 @@ from loopprobe.sensitivity import choose_method
 
 def reference(norm: str = "deeploop", dtype=torch.float64):
     cfg = lp.models.GPTConfig(K=2, R=4, norm=norm, d_model=16, n_heads=2, seq_len=16)
-    model = lp.models.LoopedGPT(cfg).to(dtype)
+    model = lp.models.LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).to(dtype)
     idx, tg = lp.tasks.random_tokens(4, 16, 64, generator=torch.Generator().manual_seed(0))
     return model, idx, lambda out, inp: F.cross_entropy(out.flatten(0, 1), tg.flatten())
 
