@@ -169,16 +169,7 @@ def _terms(theta: np.ndarray, X: dict):
 
 def predict(params: dict, df: pd.DataFrame) -> np.ndarray:
     """Predicted loss of the law with ``params`` (A, alpha, B, beta, E, phi) on ``df``'s runs."""
-    theta = np.array(
-        [
-            math.log(params["A"]),
-            params["alpha"],
-            math.log(params["B"]),
-            params["beta"],
-            math.log(params["E"]),
-            params.get("phi", 0.0),
-        ]
-    )
+    theta = _theta_of(params)
     return np.exp(_terms(theta, _design(df))[0])
 
 
@@ -462,17 +453,11 @@ def fit_law(
     )
 
 
-def _theta(fit: LawFit) -> np.ndarray:
-    p = fit.params
+def _theta_of(p: dict) -> np.ndarray:
+    """The optimiser's vector (log A, alpha, log B, beta, log E, phi) from named parameters."""
     return np.array(
-        [
-            math.log(p["A"]),
-            p["alpha"],
-            math.log(p["B"]),
-            p["beta"],
-            math.log(p["E"]),
-            p.get("phi", 0.0),
-        ]
+        [math.log(p["A"]), p["alpha"], math.log(p["B"]), p["beta"], math.log(p["E"])]
+        + [p.get("phi", 0.0)]
     )
 
 
@@ -528,7 +513,7 @@ def block_bootstrap(
     groups = [idx.to_numpy() for _, idx in df.groupby(["budget", "arch"]).groups.items()]
     X = _design(df)
     free = np.arange(6)
-    start = _theta(fit)
+    start = _theta_of(fit.params)
     draws = []
     for k in range(n):
         pick = rng.integers(len(groups), size=len(groups))
@@ -682,12 +667,12 @@ def param_split(
     the paper counts non-embedding parameters without the unembedding). Sublayers visited
     more than once are recurrent. The model is not changed (see :func:`loopprobe.attach`).
     """
-    from loopprobe.visits import attach
+    from loopprobe.visits import Probe
 
     names = list(sublayers) if sublayers is not None else _owners(model, norms)
     if not names:
         raise ValueError("param_split: the model has no parameter-owning module to count")
-    table = attach(model, sublayers=names, exclude=exclude).visit_table(inputs, forward=forward)
+    table = Probe(model, sublayers=names, exclude=exclude).visit_table(inputs, forward=forward)
     rec = table[table.visits > 1]
     once = table[table.visits == 1]
     return ParamSplit(
