@@ -37,7 +37,6 @@ from loopprobe.visits import (
     Output,
     Probe,
     _restored,
-    attach,
     call_model,
     pick_output,
     seeded,
@@ -552,7 +551,7 @@ def bound_sweep(
     for R in Rs:
         model = factory(R)
         x = inputs(model) if callable(inputs) else inputs
-        with attach(model, sublayers) as probe:
+        with Probe(model, sublayers) as probe:
             chk = bound_check(probe, x, loss_fn, **kwargs)
         rows.append({"R": R, **chk.to_dict()})
     frame = pd.DataFrame(rows)

@@ -40,7 +40,7 @@ from torch import nn
 
 from loopprobe._stats import loglog_slope
 from loopprobe.sweeps import grid, sweep
-from loopprobe.visits import Forward, attach
+from loopprobe.visits import Forward, Probe
 
 if TYPE_CHECKING:  # plotting is imported on call (.plot): import stays light
     from matplotlib.figure import Figure
@@ -169,7 +169,7 @@ def _run_one(
     """Train ``model`` for ``steps`` steps, recording the probe batch before and after each."""
     call_train = train_forward or (lambda m, x: m(x))
     opt = make_optimizer(model, optimizer, lr)
-    probe = attach(model, sublayers)
+    probe = Probe(model, sublayers)
     gen = torch.Generator().manual_seed(1_000 + seed)
     rows: list[dict] = []
     ref: dict[str, Any] = {}

@@ -49,7 +49,7 @@ from loopprobe._checks import Trust
 from loopprobe._increment_record import Collector, IncrementFn, caller_rng, refuse_routing
 from loopprobe._stats import cosine_matrix, loglog_slope
 from loopprobe.sweeps import grid, sweep
-from loopprobe.visits import Forward, Probe, Visit, VisitRecord, attach
+from loopprobe.visits import Forward, Probe, Visit, VisitRecord
 
 if TYPE_CHECKING:  # plotting is imported on call (.heatmap, .plot): import stays light
     from matplotlib.figure import Figure
@@ -313,7 +313,7 @@ def increments(
             "'output' (the sublayer returns the increment), 'delta' (it returns the updated "
             "stream) or a callable record -> Tensor"
         )
-    probe = model if isinstance(model, Probe) else attach(_module(model, call), sublayers)
+    probe = model if isinstance(model, Probe) else Probe(_module(model, call), sublayers)
     if forward is None and callable(getattr(probe.model, "hidden", None)):
         forward = _hidden
     with caller_rng(probe.model):

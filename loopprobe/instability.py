@@ -39,7 +39,7 @@ from torch import nn
 
 from loopprobe.coordcheck import lm_loss
 from loopprobe.updates import per_visit_updates
-from loopprobe.visits import Forward, Probe, attach
+from loopprobe.visits import Forward, Probe
 
 __all__ = [
     "Instability",
@@ -125,7 +125,7 @@ def instability(
                     ("explosion_threshold", explosion_threshold)):  # fmt: skip
         if not isinstance(v, (int, float)) or math.isnan(v):
             raise ValueError(f"{call}: {name}={v!r} must be a number")
-    probe = model if isinstance(model, Probe) else attach(_module(model, call), sublayers)
+    probe = model if isinstance(model, Probe) else Probe(_module(model, call), sublayers)
     ups = per_visit_updates(probe, inputs, loss_fn, forward=forward, update="sgd", memory="full")
     # h_N from model.hidden when the model has one; else from ``forward`` (or additive)
     inc_forward = None if callable(getattr(probe.model, "hidden", None)) else forward
@@ -231,7 +231,7 @@ class InstabilityRecorder:
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
             raise ValueError(f"InstabilityRecorder: every={self.every!r} must be an integer >= 1")
-        self._probe = attach(_module(self.model, "InstabilityRecorder"), self.sublayers)
+        self._probe = Probe(_module(self.model, "InstabilityRecorder"), self.sublayers)
 
     def __call__(self, step: int, batch: tuple[Any, torch.Tensor] | None = None):
         """Record at ``step`` if ``step % every == 0``; returns the Instability or None."""
@@ -346,7 +346,7 @@ def branch_gain(
     models). Reference: seed 002, Lemma A.1.
     """
     call = "branch_gain"
-    probe = model if isinstance(model, Probe) else attach(_module(model, call), sublayers)
+    probe = model if isinstance(model, Probe) else Probe(_module(model, call), sublayers)
     if alpha is None:
         alpha = getattr(getattr(probe.model, "cfg", None), "alpha", None)
         if alpha is None:

@@ -100,10 +100,10 @@ def replay_round(
     can differentiate through it; without it ``x`` is an empty tensor that ``step``
     ignores. ``h0`` is the state passed to the first call, ``rounds`` the number of calls.
     """
-    from loopprobe.visits import attach
+    from loopprobe.visits import Probe
 
     call = "replay_round"
-    with _eval_mode(model), attach(model, sublayers=[module]) as probe:
+    with _eval_mode(model), Probe(model, sublayers=[module]) as probe:
         calls = probe.record(inputs, forward=forward).visits
     if not calls:
         raise ValueError(f"{call}: module {module!r} was never called on these inputs")

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from loopprobe.sensitivity import VisitJacobian
-from loopprobe.visits import Forward, Output, Probe, Visit, attach
+from loopprobe.visits import Forward, Output, Probe, Visit
 
 
 class VisitFunction:
@@ -71,7 +71,7 @@ def visit_function(
         G = torch.func.grad(lambda d: F(d).square().mean())(d0)   # G[k]: visit F.visits[k]
         J = torch.func.jacrev(F)(d0)[0]                             # dense, tiny models only
     """
-    probe = model if isinstance(model, Probe) else attach(model, sublayers)
+    probe = model if isinstance(model, Probe) else Probe(model, sublayers)
     if visits is None:
         visits = probe.visits(inputs, forward=forward, output=output, seed=seed)
     visits = list(visits)

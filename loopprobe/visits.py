@@ -173,7 +173,7 @@ def copy_tree(x: Any) -> Any:
 
 
 class Probe:
-    """Visit-resolved view of a model; create it with :func:`attach`.
+    """Visit-resolved view of a model; create it with :func:`loopprobe.attach`.
 
     The probe holds no hooks between calls: each method installs its hooks for one
     forward pass and removes them in ``finally``. Parameters, buffers, ``.grad``, and
@@ -586,27 +586,6 @@ class _Group:
 
     def renumbered(self, j: int) -> _Group:
         return _Group(_replace(self.sublayer, index=j), self.params, self.modules, self.places)
-
-
-def attach(
-    model: nn.Module,
-    sublayers: Sequence[str] | None = None,
-    *,
-    exclude: Sequence[str] | None = None,
-) -> Probe:
-    """A recording :class:`Probe` on ``model`` (``lp.attach`` adds the estimator methods).
-
-    ``sublayers``: module names or dotted globs (``"blocks.*.attn"``; ``*`` is one path
-    segment, ``**`` several). Modules that hold the same parameter objects are one physical
-    sublayer. Default: ``model.loopprobe_sublayers`` if present, else discovery from the
-    first forward (see the module docstring). ``exclude``: patterns removed from the list.
-
-    Example::
-
-        with lp.attach(model) as probe:
-            print(probe.visit_table(idx))
-    """
-    return Probe(model, sublayers, exclude)
 
 
 # --------------------------------------------------------------------------- internals
