@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from hypothesis import strategies as st
 
 import loopprobe as lp
 from loopprobe.models import GPTConfig, LoopedGPT
@@ -135,3 +136,13 @@ def curvature_integral(path: Path, alpha: float, weight) -> tuple[float, int]:
             return val, n
         prev = val
     raise RuntimeError(f"curvature_integral: no convergence up to 1024 nodes (last {val!r})")
+
+
+def path_args(kinds: tuple[str, ...]) -> dict:
+    """Hypothesis strategies for ``make(seed, kind, scale, small)``: the checks' common draw."""
+    return {
+        "seed": st.integers(0, 10**5),
+        "kind": st.sampled_from(kinds),
+        "scale": st.floats(0.01, 4.0),
+        "small": st.booleans(),
+    }

@@ -26,11 +26,10 @@ measures a 2.7e-6 gap on Ouro; a final RMSNorm already breaks exactness).
 from __future__ import annotations
 
 from hypothesis import example, given, target
-from hypothesis import strategies as st
 
 from loopprobe.finitestep import FINITE_STEP
 from proofs_check._common import Tightest, falsified
-from proofs_check._paths import make
+from proofs_check._paths import make, path_args
 from proofs_check._registry import Outcome, Profile, statement, wrong_variant
 
 REF = "arXiv 2609.16665, Prop. 3.4"
@@ -40,12 +39,7 @@ def _run(profile: Profile, kinds: tuple[str, ...]):
     tight, seen = Tightest(), {"failures": 0}
 
     @profile.hypothesis(examples=40)
-    @given(
-        seed=st.integers(0, 10**5),
-        kind=st.sampled_from(kinds),
-        scale=st.floats(0.01, 4.0),
-        small=st.booleans(),
-    )
+    @given(**path_args(kinds))
     @example(seed=0, kind=kinds[0], scale=4.0, small=True)
     @example(seed=1, kind=kinds[-1], scale=0.01, small=False)
     def prop(seed, kind, scale, small):

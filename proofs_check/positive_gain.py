@@ -37,7 +37,7 @@ from hypothesis import example, given, target
 from hypothesis import strategies as st
 
 from proofs_check._common import Tightest, falsified
-from proofs_check._paths import argmax_on_grid, make
+from proofs_check._paths import argmax_on_grid, make, path_args
 from proofs_check._registry import Outcome, Profile, statement, wrong_variant
 
 REF = "arXiv 2609.16665, Cor. 3.5"
@@ -68,12 +68,7 @@ def check(profile: Profile) -> Outcome:
     tight = Tightest()
 
     @profile.hypothesis(examples=25)
-    @given(
-        seed=st.integers(0, 10**5),
-        kind=st.sampled_from(KINDS),
-        scale=st.floats(0.01, 4.0),
-        small=st.booleans(),
-    )
+    @given(**path_args(KINDS))
     @example(seed=0, kind="quadratic", scale=1.0, small=False)
     @example(seed=3, kind="affine", scale=4.0, small=True)
     def prop(seed, kind, scale, small):
@@ -132,12 +127,7 @@ def check_taylor_terms(profile: Profile) -> Outcome:
     tight = Tightest()
 
     @profile.hypothesis(examples=25)
-    @given(
-        seed=st.integers(0, 10**5),
-        kind=st.sampled_from(KINDS),
-        scale=st.floats(0.01, 4.0),
-        small=st.booleans(),
-    )
+    @given(**path_args(KINDS))
     @example(seed=0, kind="quadratic", scale=1.0, small=False)
     @example(seed=0, kind="mlp", scale=4.0, small=True)
     def prop(seed, kind, scale, small):
