@@ -32,7 +32,7 @@ def main() -> None:
         model = lp.models.LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).double()
         for method in ("power", "lanczos"):
             t = time.process_time()
-            rep = lp.attach(model).alignment(idx, loss, method=method, max_iter=100)
+            rep = lp.visit_alignment(lp.attach(model), idx, loss, method=method, max_iter=100)
             cpu = time.process_time() - t
             it = rep.visits.iterations
             print(

@@ -3,7 +3,7 @@
 Runs ``loopprobe kappa`` and ``loopprobe bound`` as subprocesses (``python -m
 loopprobe.cli``, the import included in the time) while another process keeps one core
 busy (a Python busy loop), first with ``--threads 2`` (the old default on a 2-core machine:
-torch's) and then with the new default (one thread below ``loopprobe.threads.THRESHOLD``),
+torch's) and then with the new default (one thread below ``loopprobe._threads.THRESHOLD``),
 interleaved repeat by repeat, and prints the wall times and their ratio. A run that passes
 ``--timeout`` is stopped and counted at the timeout, so its ratio is a lower bound (">").
 
@@ -99,8 +99,8 @@ def bench_cli(args: argparse.Namespace) -> None:
 def step_time(d: int, seq: int, batch: int, threads: int, repeats: int = 3) -> tuple[float, float]:
     """Best-of wall seconds of one forward+backward; and its parameter-tokens."""
     from loopprobe import tasks
+    from loopprobe._threads import work
     from loopprobe.models import GPTConfig, LoopedGPT
-    from loopprobe.threads import work
 
     cfg = GPTConfig(vocab_size=64, seq_len=seq, d_model=d, n_heads=4, K=2, R=4, norm="deeploop")
     model = LoopedGPT(cfg, generator=torch.Generator().manual_seed(0))

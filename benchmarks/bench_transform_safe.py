@@ -19,7 +19,7 @@ import torch
 
 import loopprobe as lp
 import loopprobe.autodiff as ad
-import loopprobe.visits as visits
+import loopprobe.record.probe as visits
 
 
 @contextmanager
@@ -48,7 +48,7 @@ def main() -> None:
             for name, ctx in variants.items():
                 visits.transform_safe = ctx
                 t = time.process_time()
-                lp.attach(model).sensitivity(idx, method="power", max_iter=20, tol=0.0)
+                lp.sensitivity_norms(lp.attach(model), idx, method="power", max_iter=20, tol=0.0)
                 times[name].append(time.process_time() - t)
     finally:
         visits.transform_safe = ad.transform_safe

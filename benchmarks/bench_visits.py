@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 import loopprobe as lp
+from loopprobe.estimate.updates import per_visit_updates
 from loopprobe.models import GPTConfig, LoopedGPT
-from loopprobe.updates import per_visit_updates
 
 VOCAB = 256
 CLOCK = {"fn": time.perf_counter, "name": "wall"}
@@ -93,7 +93,7 @@ def exponent(xs: list[int], ys: list[float]) -> float:
 
 def kappa_estimate(probe, idx, loss_fn, chunk_size: int | None, iters: int = 20):
     """kappa with U norms from exactly ``iters`` power iterations (tol=0: none stops early)."""
-    return probe.alignment(idx, loss_fn, max_iter=iters, tol=0.0, chunk_size=chunk_size)
+    return lp.visit_alignment(probe, idx, loss_fn, max_iter=iters, tol=0.0, chunk_size=chunk_size)
 
 
 # --------------------------------------------------------------------------- 1. G
@@ -153,7 +153,7 @@ def bench_R(size: tuple, Rs: list[int], repeats: int, iters: int) -> dict:
         fns = {
             "plain": plain_step(model, idx, loss_fn),
             "G": lambda p=probe, x=idx, f=loss_fn: per_visit_updates(p, x, f),
-            "U": lambda p=probe, x=idx: p.sensitivity(x, max_iter=iters, tol=0.0),
+            "U": lambda p=probe, x=idx: lp.sensitivity_norms(p, x, max_iter=iters, tol=0.0),
             "kappa": lambda p=probe, x=idx, f=loss_fn: kappa_estimate(p, x, f, None, iters),
         }
         t = interleaved(fns, repeats, warmup=False)

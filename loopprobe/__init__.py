@@ -1,147 +1,151 @@
 """loopprobe: visit-resolved diagnostics for looped (weight-tied, depth-recurrent) Transformers.
 
-One import path: ``import loopprobe as lp``.
+One import path, ``import loopprobe as lp``; every name below is one concept. The package
+reads in four layers, each importing only the ones before it:
+
+**Record** (:mod:`loopprobe.record`): find the physical sublayers and their visits.
+    ``attach(model) -> Probe``; ``Probe.visits / visit_table / record -> Recording``.
+
+**Differentiate** (:mod:`loopprobe.differentiate`): the model as pure functions.
+    ``visit_function(model, inputs) -> (F, deltas0)``: the output as a function of
+    per-visit offsets (compose it with ``torch.func``); ``round_map`` / ``replay_round``:
+    one round ``T(h, x)`` of a looped model, as a :class:`RoundMap`.
+
+**Estimate** (:mod:`loopprobe.estimate`): the theory's quantities, with ``converged`` and
+``reason``. Per visit: ``per_visit_updates -> Updates`` (G), ``sensitivity_norms ->
+Sensitivity`` (‖U‖), ``visit_alignment -> AlignmentReport`` (κ_j, κ_R), ``bound_check ->
+BoundCheck`` and ``bound_sweep -> BoundSweep`` (the bound and C), ``increments ->
+Increments`` and ``growth_sweep -> Growth`` (increment correlation, growth exponent).
+Per round: ``fixed_point -> FixedPoint``, ``round_residuals -> RoundResiduals``,
+``spectral_radius -> SpectralRadius``, ``input_dependence -> InputDependence``,
+``finite_step -> FiniteStep``. Training health: ``instability -> Instability``.
+Scaling law: ``fit_recurrence_law`` (and :mod:`lp.scaling <loopprobe.estimate.scaling>`).
+
+**Present**: :mod:`lp.plots <loopprobe.plots>` (figures from the tidy frames) and
+:mod:`loopprobe.report` (``loopprobe report``).
+
+Around them: ``sweep`` and ``grid`` (cached grids of runs), ``threads`` (opt-in thread
+count for a block), and the submodules ``lp.models`` (reference looped models),
+``lp.tasks`` (data that needs no download), ``lp.theory`` (closed forms),
+``lp.experiments`` (drivers that train models to test a seed's claim), ``lp.linalg``
+(matrix-free operator norms) and ``lp.testing`` (property tests for your model family).
+
+Names are imported on first use, so ``import loopprobe`` costs little beyond ``import
+torch`` (benchmarks/bench_startup.py). Definitions of every quantity: docs/definitions.md.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from loopprobe import models, tasks, theory
-from loopprobe.alignment import (
-    AlignmentReport,
-    BoundCheck,
-    BoundSweep,
-    bound_check,
-    bound_sweep,
-    visit_alignment,
-    visit_kappa,
-)
-from loopprobe.coordcheck import (
-    CoordCheck,
-    coord_check,
-    reference_coord_check,
-)
-from loopprobe.finitestep import FiniteStep, finite_step, path_gains, reference_logprob
-from loopprobe.fixedpoint import (
-    FixedPoint,
-    InputDependence,
-    RoundMap,
-    RoundResiduals,
-    SpectralRadius,
-    fixed_point,
-    input_dependence,
-    jacobian_norm,
-    observed_rate,
-    replay_round,
-    round_map,
-    round_residuals,
-    spectral_radius,
-)
-from loopprobe.fixedpoint_study import recall_study
-from loopprobe.increments import (
-    Growth,
-    Increments,
-    growth_sweep,
-    increments,
-    reference_growth,
-    regime_name,
-)
-from loopprobe.instability import (
-    Instability,
-    InstabilityRecorder,
-    branch_gain,
-    instability,
-    record_training,
-)
-from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov
-from loopprobe.lrtransfer import (
-    LRTransfer,
-    lr_transfer,
-    reference_lr_transfer,
-)
-from loopprobe.probe import Probe, attach
-from loopprobe.scaling import fit_recurrence_law  # and lp.scaling
-from loopprobe.sensitivity import Sensitivity, sensitivity_norms
-from loopprobe.sweeps import grid, sweep
-from loopprobe.threads import threads  # opt-in: with lp.threads(1): ... (restores)
-from loopprobe.updates import Updates, per_visit_updates
-from loopprobe.visitfn import VisitFunction, visit_function
-from loopprobe.visits import Recording, Sublayer, Visit, VisitRecord
+_NAMES = {
+    # record
+    "attach": "loopprobe.record.probe",
+    "Probe": "loopprobe.record.probe",
+    "Recording": "loopprobe.record.types",
+    # differentiate
+    "visit_function": "loopprobe.differentiate.visitfn",
+    "VisitFunction": "loopprobe.differentiate.visitfn",
+    "round_map": "loopprobe.differentiate.roundmap",
+    "replay_round": "loopprobe.differentiate.roundmap",
+    "RoundMap": "loopprobe.differentiate.roundmap",
+    # estimate: per visit
+    "per_visit_updates": "loopprobe.estimate.updates",
+    "Updates": "loopprobe.estimate.updates",
+    "sensitivity_norms": "loopprobe.estimate.sensitivity",
+    "Sensitivity": "loopprobe.estimate.sensitivity",
+    "visit_alignment": "loopprobe.estimate.alignment",
+    "AlignmentReport": "loopprobe.estimate.alignment",
+    "bound_check": "loopprobe.estimate.bound",
+    "BoundCheck": "loopprobe.estimate.bound",
+    "bound_sweep": "loopprobe.estimate.bound",
+    "BoundSweep": "loopprobe.estimate.bound",
+    "increments": "loopprobe.estimate.increments",
+    "Increments": "loopprobe.estimate.increments",
+    "growth_sweep": "loopprobe.estimate.growth",
+    "Growth": "loopprobe.estimate.growth",
+    # estimate: per round
+    "fixed_point": "loopprobe.estimate.fixedpoint",
+    "FixedPoint": "loopprobe.estimate.fixedpoint",
+    "round_residuals": "loopprobe.estimate.fixedpoint",
+    "RoundResiduals": "loopprobe.estimate.fixedpoint",
+    "spectral_radius": "loopprobe.estimate.fixedpoint",
+    "SpectralRadius": "loopprobe.estimate.fixedpoint",
+    "input_dependence": "loopprobe.estimate.implicit",
+    "InputDependence": "loopprobe.estimate.implicit",
+    "finite_step": "loopprobe.estimate.finitestep",
+    "FiniteStep": "loopprobe.estimate.finitestep",
+    # estimate: training health, fits
+    "instability": "loopprobe.estimate.instability",
+    "Instability": "loopprobe.estimate.instability",
+    "fit_recurrence_law": "loopprobe.estimate.scaling",
+    # around the layers
+    "sweep": "loopprobe.sweeps",
+    "grid": "loopprobe.sweeps",
+    "threads": "loopprobe._threads",
+}
+
+_SUBMODULES = {
+    "models": "loopprobe.models",
+    "tasks": "loopprobe.tasks",
+    "theory": "loopprobe.theory",
+    "plots": "loopprobe.plots",
+    "experiments": "loopprobe.experiments",
+    "linalg": "loopprobe.linalg",
+    "testing": "loopprobe.testing",
+    "scaling": "loopprobe.estimate.scaling",
+    "record": "loopprobe.record",
+    "differentiate": "loopprobe.differentiate",
+    "estimate": "loopprobe.estimate",
+    "report": "loopprobe.report",
+}
+
+__all__ = ["__version__", *_NAMES, *_SUBMODULES]
 
 
-def __getattr__(name: str):
-    """``lp.plots`` is imported on first use, so ``import loopprobe`` skips seaborn/matplotlib."""
-    if name == "plots":
-        import importlib
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562) and keep the name here."""
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(_SUBMODULES[name])
+    else:
+        raise AttributeError(f"module 'loopprobe' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return importlib.import_module("loopprobe.plots")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [
-    "__version__",
-    "AlignmentReport",
-    "BoundCheck",
-    "BoundSweep",
-    "Sensitivity",
-    "Updates",
-    "bound_check",
-    "bound_sweep",
-    "per_visit_updates",
-    "sensitivity_norms",
-    "visit_alignment",
-    "visit_kappa",
-    "Growth",
-    "Increments",
-    "growth_sweep",
-    "increments",
-    "reference_growth",
-    "regime_name",
-    "LRTransfer",
-    "lr_transfer",
-    "reference_lr_transfer",
-    "Instability",
-    "InstabilityRecorder",
-    "branch_gain",
-    "instability",
-    "record_training",
-    "CoordCheck",
-    "coord_check",
-    "reference_coord_check",
-    "Estimate",
-    "FiniteStep",
-    "FixedPoint",
-    "InputDependence",
-    "RoundMap",
-    "RoundResiduals",
-    "SpectralRadius",
-    "finite_step",
-    "fixed_point",
-    "input_dependence",
-    "jacobian_norm",
-    "observed_rate",
-    "path_gains",
-    "recall_study",
-    "reference_logprob",
-    "replay_round",
-    "round_map",
-    "round_residuals",
-    "spectral_radius",
-    "Probe",
-    "Recording",
-    "Sublayer",
-    "Visit",
-    "VisitRecord",
-    "attach",
-    "grid",
-    "models",
-    "operator_norm",
-    "operator_norm_krylov",
-    "plots",
-    "sweep",
-    "tasks",
-    "theory",
-    "threads",
-    "visit_function",
-    "fit_recurrence_law",
-    "VisitFunction",
-]
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
+    from loopprobe import experiments, linalg, models, plots, tasks, theory
+    from loopprobe._threads import threads
+    from loopprobe.differentiate.roundmap import RoundMap, replay_round, round_map
+    from loopprobe.differentiate.visitfn import VisitFunction, visit_function
+    from loopprobe.estimate import scaling
+    from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
+    from loopprobe.estimate.bound import BoundCheck, BoundSweep, bound_check, bound_sweep
+    from loopprobe.estimate.finitestep import FiniteStep, finite_step
+    from loopprobe.estimate.fixedpoint import (
+        FixedPoint,
+        RoundResiduals,
+        SpectralRadius,
+        fixed_point,
+        round_residuals,
+        spectral_radius,
+    )
+    from loopprobe.estimate.growth import Growth, growth_sweep
+    from loopprobe.estimate.implicit import InputDependence, input_dependence
+    from loopprobe.estimate.increments import Increments, increments
+    from loopprobe.estimate.instability import Instability, instability
+    from loopprobe.estimate.scaling import fit_recurrence_law
+    from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
+    from loopprobe.estimate.updates import Updates, per_visit_updates
+    from loopprobe.record.probe import Probe, attach
+    from loopprobe.record.types import Recording
+    from loopprobe.sweeps import grid, sweep

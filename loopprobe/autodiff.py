@@ -29,7 +29,7 @@ loopprobe's probes only (the user's settings are untouched outside them):
 It also measures which floating dtypes a forward computes in (:func:`dtypes_on_path`), so
 that tolerances follow the lowest precision on the path, not the parameters' dtype.
 (Buffers written in place during forward are handled where F is built:
-``loopprobe.sensitivity.VisitJacobian`` functionalizes it.) The layout mode intercepts
+``loopprobe.differentiate.jacobian.VisitJacobian`` functionalizes it.) The layout mode intercepts
 every torch call while a probe runs; on LoopedGPT's sensitivity loop everything here
 cost 1.03x (``benchmarks/bench_transform_safe.py``).
 """

@@ -232,3 +232,10 @@ def sudoku_like(
     masked = _batched_perm(batch, n * n, generator)[:, :n_masked]
     inputs = grid.scatter(1, masked, n)
     return inputs, grid
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of ``(B, T, V)`` logits against ``(B, T)`` targets."""
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    )

@@ -18,6 +18,13 @@ from numbers import Real
 
 from loopprobe._checks import count as _count
 
+RESIDUALS = ("none", "1/sqrt(N)", "1/N", "loop-mup")  # branch multiplier rules over N loops
+TYINGS = ("tied", "untied")  # one block looped N times, or N distinct blocks
+#: norm[:residual] schemes of the reference model that the coordinate check compares
+SCHEMES = ("pre:none", "pre:1/sqrt(N)", "pre:1/N", "pre:loop-mup", "post", "deepnorm", "deeploop")
+#: what the coordinate check measures per N (loopprobe.experiments.coordcheck)
+COORD_QUANTITIES = ("increment", "increment_change", "state", "state_change")
+
 __all__ = [
     "ALLOWED_NORMS",
     "ALLOWED_RESIDUALS",

@@ -189,7 +189,7 @@ physical sublayer: cosine matrix, mean off-diagonal cosine, and ‖Σ inc‖²/�
     (
         "code",
         """\
-from loopprobe.increments import start_at_rms
+from loopprobe.experiments.growth import start_at_rms
 from loopprobe.models import GPTConfig, LoopedGPT
 
 N = 4 if SMALL else 8
@@ -210,7 +210,7 @@ inc.heatmap()""",
         """\
 ## Growth regimes over N
 
-`lp.reference_growth` sweeps N on the pre-norm reference model (tied: one block N times;
+`lp.experiments.reference_growth` sweeps N on the pre-norm reference model (tied: one block N times;
 untied: N blocks once), fits the log-log exponent of ‖h_N − h_0‖/‖h_0‖ and names the regime.""",
     ),
     (
@@ -220,7 +220,7 @@ import pandas as pd
 
 Ns = [1, 2, 4, 8] if SMALL else [1, 2, 4, 8, 16, 32]
 seeds = [0] if SMALL else [0, 1, 2]
-growth = {(t, r): lp.reference_growth(t, r, Ns=Ns, seeds=seeds, d_model=32, seq_len=16, batch=4)
+growth = {(t, r): lp.experiments.reference_growth(t, r, Ns=Ns, seeds=seeds, d_model=32, seq_len=16, batch=4)
           for t in ("tied", "untied") for r in ("1/sqrt(N)", "1/N")}
 pd.DataFrame([{"tying": t, "residual": r, "slope": g.slope, "regime": g.regime,
                "mean off-diag cos": g.mean_offdiag_cos} for (t, r), g in growth.items()])""",
@@ -242,7 +242,7 @@ change of the final state since step 0. Flat in N means the parameterization tra
         "code",
         """\
 schemes = ["pre:1/sqrt(N)", "pre:1/N"] + ([] if SMALL else ["deepnorm", "deeploop"])
-cc = lp.reference_coord_check(schemes, Ns=[1, 2, 4, 8] if SMALL else [1, 2, 4, 8, 16],
+cc = lp.experiments.reference_coord_check(schemes, Ns=[1, 2, 4, 8] if SMALL else [1, 2, 4, 8, 16],
                               seeds=[0], steps=2 if SMALL else 4, d_model=32, seq_len=16,
                               batch=4)
 cc.flatness()""",
@@ -316,7 +316,7 @@ iterated (Picard and Anderson) at a held-out input.""",
         """\
 import pandas as pd
 
-from loopprobe import fixedpoint_study as study
+from loopprobe.experiments import recall as study
 
 variants = [("none", True), ("add", True)] + ([] if SMALL else [("add", False), ("internal", True)])
 rows, traces, eig = [], [], []
@@ -375,7 +375,7 @@ what it shows, including when it does not reproduce the paper's claim.""",
         "code",
         """\
 lrs = [4e-3, 1.6e-2, 6.4e-2, 2.56e-1] if SMALL else [2e-3 * 2**k for k in range(7)]
-tr = lp.reference_lr_transfer(
+tr = lp.experiments.reference_lr_transfer(
     residuals=("1/sqrt(N)", "1/N"),
     Ns=[1, 4] if SMALL else [1, 2, 4, 8],
     lrs=lrs,

@@ -1,7 +1,7 @@
 """Random one-step transitions H -> H + D with a readout, for the finite-step statements.
 
 All derivatives come from the library (``lp.finite_step``: A = phi'(0), Q = phi''(0)/2 by
-forward-mode AD; ``lp.path_gains``: phi on a grid). phi''(s) at an interior point s is
+forward-mode AD; ``path_gains``: phi on a grid). phi''(s) at an interior point s is
 read off as 2 Q of the shifted transition H + s D -> H + (s + 1) D, many s at once (they
 are stacked along the example axis).
 """
@@ -15,6 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 import loopprobe as lp
+from loopprobe.estimate.finitestep import path_gains, reference_logprob
 from loopprobe.models import GPTConfig, LoopedGPT
 
 f64 = torch.float64
@@ -48,7 +49,7 @@ class Path:
     def phi(self, alphas: np.ndarray) -> np.ndarray:
         """phi(alpha) = U(H + alpha D) - U(H) at each alpha."""
         a = torch.as_tensor(np.asarray(alphas, float), dtype=f64)
-        df = lp.path_gains(
+        df = path_gains(
             lambda h: h + self.D, self.H, self.readout, self.targets, a, utility=self.utility
         )
         return df.sort_values("alpha").gain.to_numpy()
@@ -93,7 +94,7 @@ def make(seed: int, readout: str, scale: float, small_slope: bool = False) -> Pa
     failures live."""
     path = looped_path(seed, scale) if readout == "looped" else random_path(seed, readout, scale)
     if small_slope:
-        U = path.utility or lp.reference_logprob(path.readout, path.targets)
+        U = path.utility or reference_logprob(path.readout, path.targets)
         g = torch.func.grad(lambda h: U(h).sum())(path.H)
         gn = g / g.norm()
         D = path.D - (path.D * gn).sum() * gn

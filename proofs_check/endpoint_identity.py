@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from hypothesis import example, given, target
 
-from loopprobe.finitestep import FINITE_STEP
+from loopprobe.estimate.finitestep import FINITE_STEP
 from proofs_check._common import Tightest, falsified
 from proofs_check._paths import make, path_args
 from proofs_check._registry import Outcome, Profile, statement, wrong_variant

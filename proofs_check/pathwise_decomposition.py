@@ -11,7 +11,7 @@ the curvature along the path, not the direction, is at fault.
 
 Check (exact, by quadrature; float64): hypothesis draws transitions (random Gaussian H, D
 of size 0.01..4 with an affine, a tanh-MLP or a quadratic readout, or one round of a tiny
-LoopedGPT with an affine readout) and alpha in (0, 1]; phi from ``lp.path_gains``, A and
+LoopedGPT with an affine readout) and alpha in (0, 1]; phi from ``path_gains``, A and
 phi''(s) from ``lp.finite_step`` (forward-mode AD), the integral by Gauss-Legendre with the
 nodes doubled (32..1024) until two rules agree to 1e-12 (a fixed 48-node rule was not
 enough for large steps through the tanh readout: phi'' oscillates).

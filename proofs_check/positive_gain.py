@@ -9,7 +9,7 @@ readouts, a tiny LoopedGPT round; sizes 0.01..4; D replaced by -D when A < 0, so
 L_D = max(0, -min phi'') with phi'' from ``lp.finite_step`` on a 257-point grid, refined
 on a finer grid and by a parabola through the best points (so L_D is not underestimated
 between grid points); draws with ``small_slope`` make A small and the step long;
-phi from ``lp.path_gains`` on 101 points. Assert
+phi from ``path_gains`` on 101 points. Assert
 phi(alpha) >= alpha A - L_D alpha^2 / 2 - 1e-10 on the grid and phi(alpha) > 0 on the grid
 points inside (0, min(1, 2A/L_D)). ``target`` minimises the relative slack;
 ``@example`` pins the quadratic utility, where phi'' = -L_D and the bound is an equality:

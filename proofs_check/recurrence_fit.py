@@ -5,7 +5,7 @@ Statement (seed 001 Eq. 3-4, Table 2, App. E-F; PAPERS.md 5). On the paper's exa
 looped tokens reduced by the injection FLOPs), losses planted from the joint law with the
 paper's alpha = 0.199, beta = 0.369, E = 1.57, phi = 0.459 (A, B solved so the law passes
 through Table 5's s=10, r=4 run, 2.793 nats at 955M tokens, and Table 10's s=34, r=1 run,
-2.047 nats at 47B tokens: A = 20.7, B = 1304) are fitted back with loopprobe.scaling
+2.047 nats at 47B tokens: A = 20.7, B = 1304) are fitted back with loopprobe.estimate.scaling
 (Huber delta = 1e-3 on log loss, LSE form, L-BFGS-B with analytic gradient, restarts):
 (1) without noise every parameter is recovered (|phi - 0.459| < 1e-6, R^2 = 1);
 (2) the fit does not depend on the restart seed (phi equal to 1e-6 for two seeds);
@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from loopprobe import scaling as sc
+from loopprobe.estimate import scaling as sc
+from loopprobe.estimate import scaling_law as sl
+from loopprobe.experiments import scaling_grid as sg
 from proofs_check._registry import Outcome, Profile, statement, wrong_variant
 
 REF = "seed 001, arXiv 2604.21106 Eq. 3-4, Table 2, App. E-F"
@@ -44,7 +46,7 @@ DEFAULT_SOLVER = {"options": {}, "rescale": False, "informed": 0}
 
 
 def _runs(noise: float, seed: int, move_injection: bool = False):
-    df = sc.check_runs(sc.synthetic_runs(noise=noise, cell_noise=CELL if noise else 0.0, seed=seed))
+    df = sl.check_runs(sg.synthetic_runs(noise=noise, cell_noise=CELL if noise else 0.0, seed=seed))
     if move_injection:  # the wrong accounting: injection 2 d^2 counted once, not per loop
         inj = np.where(df.r > 1, 2.0 * df.d**2, 0.0)
         df["n_once"], df["n_rec"] = df.n_once + inj, df.n_rec - inj
@@ -54,7 +56,7 @@ def _runs(noise: float, seed: int, move_injection: bool = False):
 def _check(profile: Profile, restarts: int = 4, move_injection: bool = False, solver=None):
     """Stages in order; the first that fails ends the check (wrong variants stay cheap)."""
     solver = solver or {}
-    phi0 = sc.planted_params()["phi"]
+    phi0 = sg.planted_params()["phi"]
     exact = sc.fit_law(_runs(0.0, 0, move_injection), restarts=restarts, **solver)
     d_phi = abs(exact.params["phi"] - phi0)
     figure = f"exact data: |phi - 0.459| = {d_phi:.1e}, R^2 = {exact.r2:.6f}"

@@ -8,7 +8,7 @@ C(1) = int_0^1 |phi''(s) - phi''(0)| ds. Then
 
 Check (property, float64): hypothesis draws transitions (affine / tanh-MLP / quadratic
 readouts, a tiny LoopedGPT round; sizes 0.01..4) with Q < 0. alpha_hat, A, Q from
-``lp.finite_step``; alpha* by a 201-point grid of ``lp.path_gains``, a finer grid around
+``lp.finite_step``; alpha* by a 201-point grid of ``path_gains``, a finer grid around
 the best point and the vertex of the parabola through its neighbours; C(1) by composite
 Simpson on 2049 points of phi'' (the integrand has kinks, so we allow its error in the
 slack: 1e-6 absolute plus 1e-4 relative). ``target`` pushes

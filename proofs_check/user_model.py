@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import loopprobe.testing as lpt
-from loopprobe.cli._common import call_user, load_object
+from loopprobe._io import call_user, load_object
 from proofs_check._registry import PROFILES, Check, Outcome, Result
 
 REF = "seed 002"

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import loopprobe as lp
+from loopprobe.estimate.scaling import param_split
 from loopprobe.models import GPTConfig, LoopedGPT
-from loopprobe.scaling import param_split
 
 T, BATCH, DEPTH = 64, 16, 4  # recurrent depth 4 = r x (4 / r); + prelude 1 + coda 1
 

@@ -23,9 +23,9 @@ from _oracles import (
 from realmodels import RealModel
 
 import loopprobe as lp
-from loopprobe.sensitivity import sensitivity_norms
-from loopprobe.updates import per_visit_updates
-from loopprobe.visits import call_model
+from loopprobe.estimate.sensitivity import sensitivity_norms
+from loopprobe.estimate.updates import per_visit_updates
+from loopprobe.record.types import call_model
 
 # float64 end to end: the two sides of each check differ by summation order only.
 EXACT = 1e-12
@@ -139,7 +139,8 @@ def check_one_U_is_the_dense_jacobian_norm(case: RealModel, rtol: float = 1e-8) 
 
 
 def check_kappa_lies_in_zero_to_R(case: RealModel) -> Any:
-    rep = probe(case).alignment(
+    rep = lp.visit_alignment(
+        probe(case),
         case.inputs,
         case.loss_fn,
         forward=case.forward,
@@ -202,8 +203,8 @@ def _probe_every_entry_point(case: RealModel, round_module: str | None) -> list[
         "sensitivity": lambda p: sensitivity_norms(
             p, case.inputs, output=case.output, max_iter=5, **kw
         ),
-        "alignment": lambda p: p.alignment(
-            case.inputs, case.loss_fn, output=case.output, max_iter=5, **kw
+        "alignment": lambda p: lp.visit_alignment(
+            p, case.inputs, case.loss_fn, output=case.output, max_iter=5, **kw
         ),
         "increments": lambda p: lp.increments(p, case.inputs, **kw),
     }

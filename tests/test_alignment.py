@@ -21,7 +21,8 @@ from thirdparty_models import (  # noqa: F401 (one_thread: autouse fixture)
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.alignment import bound_check, bound_sweep, visit_alignment, visit_kappa
+from loopprobe.estimate.alignment import visit_alignment, visit_kappa
+from loopprobe.estimate.bound import bound_check, bound_sweep
 from loopprobe.models import GPTConfig, LinearLoop, LinearLoopConfig, LoopedGPT
 
 
@@ -66,7 +67,7 @@ def test_per_visit_norms_match_the_closed_form_on_the_linear_residual_loop():
     cfg = LinearLoopConfig(d=5, R=4)
     model = LinearLoop(cfg, generator=torch.Generator().manual_seed(0)).double()
     x = randn(3, 5)
-    sens = lp.attach(model).sensitivity(x, method="lanczos", max_iter=40)
+    sens = lp.sensitivity_norms(lp.attach(model), x, method="lanczos", max_iter=40)
     A = model.transition_matrix().T
     eps = cfg.step_size
     for v, est in zip(sens.visits, sens.visit_norms, strict=True):
@@ -126,7 +127,7 @@ def test_gram_and_cosine_matrices_explain_the_tied_update():
 def test_report_frames_have_one_row_per_visit_and_per_sublayer():
     model = make(TruncatedModel, C=3, C_L=2)
     x, target = randn(3, 6), randn(3, 6, seed=7)
-    rep = lp.attach(model).alignment(x, mse(target), max_iter=30)
+    rep = lp.visit_alignment(lp.attach(model), x, mse(target), max_iter=30)
     assert (rep.M, rep.M_g) == (9, 3)
     assert len(rep.visits) == 9 and list(rep.sublayers.sublayer) == ["low", "high"]
     assert list(rep.sublayers.R_g) == [2, 1]
@@ -203,7 +204,7 @@ class NanGradient(nn.Module):
 def test_non_finite_gradient_names_the_visit_where_it_appears():
     model = make(NanGradient)
     with pytest.raises(FloatingPointError, match=r"visit r=1 of sublayer 'lin'"):
-        lp.attach(model).alignment(randn(2, 4), lambda out, _: out.sum())
+        lp.visit_alignment(lp.attach(model), randn(2, 4), lambda out, _: out.sum())
 
 
 def test_exception_mid_probe_leaves_model_hooks_and_mode_as_they_were():
@@ -214,7 +215,7 @@ def test_exception_mid_probe_leaves_model_hooks_and_mode_as_they_were():
         raise KeyError("loss failed")
 
     with pytest.raises(KeyError, match="loss failed"):
-        lp.attach(model).alignment(randn(2, 5), bad_loss)
+        lp.visit_alignment(lp.attach(model), randn(2, 5), bad_loss)
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
     assert model.training
     for n, p in model.named_parameters():
@@ -276,7 +277,7 @@ def test_probing_a_train_mode_batchnorm_model_leaves_its_running_stats_unchanged
     x, target = randn(5, 4), randn(5, 4, seed=7)
     stats = {n: b.clone() for n, b in model.named_buffers()}
     probe = lp.attach(model, sublayers=["lin"])
-    chk = probe.bound(x, mse(target), alpha=1.0, beta=1.0, max_iter=5)
+    chk = lp.bound_check(probe, x, mse(target), alpha=1.0, beta=1.0, max_iter=5)
     assert chk.M == 3 and math.isfinite(chk.C)
     for n, b in model.named_buffers():
         assert torch.equal(b, stats[n]), n

@@ -80,8 +80,14 @@ def test_kappa_json_equals_the_python_api_on_the_same_model_and_batch(kappa_k2_r
     def loss_fn(out, inputs):
         return torch.nn.functional.cross_entropy(out.reshape(-1, 11), targets.reshape(-1))
 
-    rep = lp.attach(model).alignment(
-        idx, loss_fn, max_iter=60, tol=1e-9, generator=torch.Generator().manual_seed(0), seed=0
+    rep = lp.visit_alignment(
+        lp.attach(model),
+        idx,
+        loss_fn,
+        max_iter=60,
+        tol=1e-9,
+        generator=torch.Generator().manual_seed(0),
+        seed=0,
     )
     assert kappa_k2_r3["kappa"] == pytest.approx(rep.kappa, rel=1e-12)
     assert kappa_k2_r3["loss"] == pytest.approx(rep.loss, rel=1e-12)

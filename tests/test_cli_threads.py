@@ -6,18 +6,20 @@ import argparse
 import importlib
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import loopprobe as lp
 from loopprobe import tasks
+from loopprobe._threads import THRESHOLD, auto_threads, work
 from loopprobe.cli import main
 from loopprobe.cli._common import apply_threads
 from loopprobe.models import GPTConfig, LoopedGPT
-from loopprobe.threads import THRESHOLD, auto_threads, work
 
-lp_threads = importlib.import_module("loopprobe.threads")  # the module; lp.threads is the function
+lp_threads = importlib.import_module("loopprobe._threads")  # the module; lp.threads is the function
 TINY = ["--d-model", "8", "--heads", "2", "--seq", "4", "--batch", "2", "--vocab", "11"]
 
 
@@ -60,7 +62,7 @@ def test_the_library_never_sets_the_thread_count(monkeypatch):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1))
 
     with lp.attach(model) as probe:
-        probe.alignment(idx, loss, max_iter=3)
+        lp.visit_alignment(probe, idx, loss, max_iter=3)
     lp.increments(model, idx)
     assert calls == []
 
@@ -117,16 +119,23 @@ def test_kappa_on_a_small_model_uses_one_thread_and_restores_the_callers_count(
 
 
 def test_threads_flag_overrides_the_rule_for_the_whole_command(restore_threads, monkeypatch):
-    import loopprobe.cli.theory as theory
+    import loopprobe.cli.kappa as kappa
 
     seen = []
-    build = theory.build_report
 
     def recording(args):
         seen.append(torch.get_num_threads())
-        return build(args)
+        raise ValueError("stop here")
 
-    monkeypatch.setattr(theory, "build_report", recording)
+    monkeypatch.setattr(kappa, "build_report", recording)
     torch.set_num_threads(1)
-    assert main(["theory", "--K", "1", "--R", "2", "--threads", "3"]) == 0
+    assert main(["kappa", "--K", "1", "--R", "2", "--threads", "3"]) == 2
     assert seen == [3] and torch.get_num_threads() == 1
+
+
+def test_the_theory_calculator_runs_without_loading_torch():
+    code = (
+        "import sys\nfrom loopprobe.cli import main\n"
+        "main(['theory', '--K', '2', '--R', '4'])\nassert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

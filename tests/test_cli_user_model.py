@@ -144,7 +144,8 @@ def run_error(capsys, argv: list[str], code: int = 2) -> str:
 def library_kappa(mod, loss_fn, output) -> float:
     model, inputs = mod.make(), mod.batch() if loss_fn is None else mod.batch_unlabeled()
     with lp.attach(model) as probe:
-        rep = probe.alignment(
+        rep = lp.visit_alignment(
+            probe,
             inputs,
             (lambda out, _inputs: out.loss) if loss_fn is None else loss_fn,
             forward=mod.call,

@@ -15,7 +15,7 @@ from loopprobe import tasks
 from loopprobe.cli import main
 from loopprobe.models import GPTConfig, LoopedGPT
 
-cc_mod = importlib.import_module("loopprobe.coordcheck")
+cc_mod = importlib.import_module("loopprobe.experiments.coordcheck")
 
 SMALL = {"d_model": 32, "seq_len": 16, "batch": 4}
 
@@ -29,11 +29,11 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def prenorm() -> lp.CoordCheck:
+def prenorm() -> lp.experiments.CoordCheck:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return lp.reference_coord_check(
+        return lp.experiments.reference_coord_check(
             ["pre:none", "pre:1/sqrt(N)", "pre:1/N"], Ns=(1, 2, 4, 8), seeds=(0, 1), steps=2,
             lr=1e-3, **SMALL,
         )  # fmt: skip
@@ -64,7 +64,7 @@ def test_change_since_step_0_matches_a_hand_written_training_loop():
     def make(N, seed):
         return LoopedGPT(cfg, generator=torch.Generator().manual_seed(seed))
 
-    cc = lp.coord_check(make, batch_fn, probe_idx, Ns=[3], seeds=[0], steps=2, lr=1e-2)
+    cc = lp.experiments.coord_check(make, batch_fn, probe_idx, Ns=[3], seeds=[0], steps=2, lr=1e-2)
     # the same run by hand
     model = make(3, 0)
     opt = cc_mod.make_optimizer(model, "adam", 1e-2)
@@ -114,7 +114,7 @@ def test_plot_has_one_panel_per_step_and_a_line_per_group(prenorm):
 
 
 def test_postnorm_deeploop_is_flatter_in_N_than_deepnorm_after_one_step():
-    cc = lp.reference_coord_check(
+    cc = lp.experiments.reference_coord_check(
         ["deepnorm", "deeploop"], Ns=(1, 2, 4, 8), seeds=(0,), steps=1, lr=1e-4, **SMALL
     )
     f = cc.flatness("state_change").set_index("scheme")
@@ -146,7 +146,9 @@ def test_divergence_is_recorded_as_rows_with_diverged_true():
         x = torch.zeros(2, 8, dtype=torch.long)
         return x, x
 
-    cc = lp.coord_check(make, batch_fn, torch.zeros(2, 8, dtype=torch.long), Ns=[2], seeds=[0])
+    cc = lp.experiments.coord_check(
+        make, batch_fn, torch.zeros(2, 8, dtype=torch.long), Ns=[2], seeds=[0]
+    )
     df = cc.to_frame()
     assert df.diverged.any()
     assert df[df.diverged].step.min() >= 0 and df.step.max() <= 1
@@ -154,11 +156,11 @@ def test_divergence_is_recorded_as_rows_with_diverged_true():
 
 def test_bad_arguments_raise_with_the_fix():
     with pytest.raises(ValueError, match="scheme 'pre:2/N'"):
-        lp.reference_coord_check(["pre:2/N"])
+        lp.experiments.reference_coord_check(["pre:2/N"])
     with pytest.raises(ValueError, match="multiple of K=2"):
-        lp.reference_coord_check(["pre:1/N"], Ns=[1, 2], K=2)
+        lp.experiments.reference_coord_check(["pre:1/N"], Ns=[1, 2], K=2)
     with pytest.raises(ValueError, match="steps=0"):
-        lp.reference_coord_check(["pre:1/N"], steps=0)
+        lp.experiments.reference_coord_check(["pre:1/N"], steps=0)
     with pytest.raises(ValueError, match="optimizer='lion'"):
         cc_mod.make_optimizer(torch.nn.Linear(2, 2), "lion", 1e-3)
 

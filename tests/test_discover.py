@@ -23,7 +23,7 @@ from thirdparty_models import (
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.discover import Call, find_sublayers, nesting
+from loopprobe.record.discover import Call, find_sublayers, nesting
 
 
 class LoopedEncoder(nn.Module):
@@ -204,7 +204,7 @@ def test_kappa_R_is_the_max_over_body_sublayers_and_names_the_ones_left_out():
     def loss_fn(out, x):
         return out.pow(2).sum()
 
-    report = lp.attach(model).alignment(randn(2, 6), loss_fn)
+    report = lp.visit_alignment(lp.attach(model), randn(2, 6), loss_fn)
     sub = report.sublayers.set_index("sublayer")
     body_kappa = float(sub.loc["block", "kappa"])
     others = sub[sub.role != "body"].kappa
@@ -326,7 +326,7 @@ def test_discovery_runs_the_call_graph_of_the_callers_seed(seed):
     assert _calls_under_seed(model, x, 1 - seed) != expected  # the seed changes the graph
     table = lp.attach(model).visit_table(x, seed=seed)
     assert _by_name(table, "visits") == expected
-    report = lp.attach(model).alignment(x, lambda out, x: out.pow(2).sum(), seed=seed)
+    report = lp.visit_alignment(lp.attach(model), x, lambda out, x: out.pow(2).sum(), seed=seed)
     assert list(report.sublayers.sublayer) == list(expected)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import loopprobe as lp
+from loopprobe.estimate.finitestep import path_gains, reference_logprob
 from loopprobe.models import GPTConfig, LoopedGPT
 
 f64 = torch.float64
@@ -55,7 +56,7 @@ def test_slope_and_curvature_match_finite_differences_on_a_transformer_round():
     targets = torch.roll(idx, -1, dims=1)
     H = F(x).detach()  # the transition from round 1 to round 2
     fs = lp.finite_step(F, H, model.head, targets)
-    U = lp.reference_logprob(model.head, targets)
+    U = reference_logprob(model.head, targets)
     D = (F(H) - H).detach()
     with torch.no_grad():
         phi = {a: (U(H + a * D) - U(H)).numpy() for a in (-1e-3, -1e-6, 1e-6, 1e-3)}
@@ -107,7 +108,7 @@ def test_alpha_hat_is_one_without_negative_curvature():
 
 def test_path_gains_start_at_zero_and_end_at_the_full_step_gain():
     F, readout, H, targets = problem(2)
-    path = lp.path_gains(F, H, readout, targets)
+    path = path_gains(F, H, readout, targets)
     fs = lp.finite_step(F, H, readout, targets)
     assert len(path) == 3 * 21
     assert np.all(path[path.alpha == 0].gain == 0)

@@ -16,6 +16,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import loopprobe as lp
+from loopprobe.estimate.fixedpoint import jacobian_norm
 from loopprobe.models import GPTConfig, LinearLoop, LinearLoopConfig, LoopedGPT
 
 f64 = torch.float64
@@ -219,7 +220,7 @@ def test_spectral_radius_frame_has_one_row_per_eigenvalue():
 def test_jacobian_norm_matches_the_svd_of_the_dense_jacobian():
     T, x = tanh_round(12, 4, gain=2.0)
     h = torch.randn(12, dtype=f64, generator=gen(9))
-    est = lp.jacobian_norm(T, h, x=x)
+    est = jacobian_norm(T, h, x=x)
     dense = torch.linalg.matrix_norm(dense_jacobian(lambda h: T(h, x), h), 2).item()
     assert est.converged and est.value == pytest.approx(dense, rel=1e-6)
 
@@ -297,7 +298,7 @@ def test_input_dependence_rejects_bad_directions_and_start():
 
 
 def test_traced_jvps_agree_with_plain_jvps(monkeypatch):
-    from loopprobe.fixedpoint import _JVP
+    from loopprobe.differentiate.roundmap import _JVP
 
     monkeypatch.setattr(_JVP, "min_seconds", 0.0)
     cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=2, recall="internal")

@@ -9,7 +9,7 @@ by the study, not asserted (they vary with seed and training length).
 import pytest
 import torch
 
-from loopprobe.fixedpoint_study import probe, recall_study, task_batch, train
+from loopprobe.experiments.recall import probe, recall_study, task_batch, train
 
 
 @pytest.fixture(scope="module")

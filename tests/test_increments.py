@@ -13,9 +13,10 @@ from thirdparty_models import ForLoopModel, SharedBlockModel, make, randn
 
 import loopprobe as lp
 from loopprobe.cli import main
+from loopprobe.estimate.growth import regime_name
 from loopprobe.models import GPTConfig, LoopedGPT
 
-inc_mod = importlib.import_module("loopprobe.increments")
+inc_mod = importlib.import_module("loopprobe.estimate.increments")
 
 # small and fast, but wide enough for the statistics (see test_growth_*)
 SIZE = {"d_model": 64, "seq_len": 16, "batch": 4}
@@ -159,7 +160,7 @@ def test_bad_group_by_and_increment_raise():
     with pytest.raises(ValueError, match="increment='out'"):
         lp.increments(_tiny(), _idx(), increment="out")
     with pytest.raises(ValueError, match="tying='shared'"):
-        lp.reference_growth("shared", "1/N")
+        lp.experiments.reference_growth("shared", "1/N")
 
 
 # --------------------------------------------------------------------------- regimes at init
@@ -171,7 +172,7 @@ def growths() -> dict:
     torch.set_num_threads(1)  # many small ops: one thread is faster, and robust to a busy box
     try:
         return {
-            (t, r): lp.reference_growth(t, r, seeds=SEEDS, **SIZE)
+            (t, r): lp.experiments.reference_growth(t, r, seeds=SEEDS, **SIZE)
             for t, r in [
                 ("tied", "1/sqrt(N)"),
                 ("tied", "1/N"),
@@ -215,9 +216,9 @@ def test_regimes_are_named(growths):
     assert "loop-scaled" in growths[("tied", "1/N")].regime
     assert "depth-scaled" in growths[("untied", "1/sqrt(N)")].regime
     assert "over-damped" in growths[("untied", "1/N")].regime
-    assert lp.regime_name(1.05, 0.8).startswith("correlated, grows like linear")
-    assert lp.regime_name(0.3, 0.35) == "partly correlated, between regimes"
-    assert lp.regime_name(math.nan, 0.9).startswith("undetermined")
+    assert regime_name(1.05, 0.8).startswith("correlated, grows like linear")
+    assert regime_name(0.3, 0.35) == "partly correlated, between regimes"
+    assert regime_name(math.nan, 0.9).startswith("undetermined")
 
 
 def test_growth_frames_and_figures(growths):
@@ -234,7 +235,7 @@ def test_growth_frames_and_figures(growths):
 
 def test_model_embedding_start_keeps_the_first_visit_transient():
     # with the reference model's own embedding (RMS ~0.03) one increment is ~20x h_0
-    g = lp.reference_growth("tied", "1/N", Ns=(1, 2), seeds=(0,), h0_rms=None, **SIZE)
+    g = lp.experiments.reference_growth("tied", "1/N", Ns=(1, 2), seeds=(0,), h0_rms=None, **SIZE)
     assert g.rows["h0_rms"].max() < 0.05
     assert g.rows["growth"].min() > 10
 

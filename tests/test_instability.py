@@ -13,9 +13,10 @@ from thirdparty_models import SharedBlockModel, make, randn
 
 import loopprobe as lp
 from loopprobe import tasks
+from loopprobe.estimate.instability import branch_gain
 from loopprobe.models import GPTConfig, LoopedGPT
 
-ins_mod = importlib.import_module("loopprobe.instability")
+ins_mod = importlib.import_module("loopprobe.estimate.instability")
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +127,7 @@ def test_probing_leaves_model_and_grads_untouched():
 def test_recorder_records_every_k_steps_of_a_training_loop():
     model = _gpt(R=3).float()
     opt = torch.optim.Adam(model.parameters(), 1e-3)
-    rec = lp.record_training(
+    rec = lp.experiments.record_training(
         model, opt, lambda t, g: tasks.stdlib_text(2, 8, g), steps=5, every=2,
         generator=torch.Generator().manual_seed(1),
     )  # fmt: skip
@@ -139,15 +140,15 @@ def test_recorder_records_every_k_steps_of_a_training_loop():
     assert list(rec.summary_frame().step) == [0, 2, 4]
     assert rec(3) is None
     with pytest.raises(ValueError, match="every=0"):
-        lp.InstabilityRecorder(model, every=0)
+        lp.experiments.InstabilityRecorder(model, every=0)
     with pytest.raises(ValueError, match="no batch"):
-        lp.InstabilityRecorder(model)(0)
+        lp.experiments.InstabilityRecorder(model)(0)
 
 
 @pytest.mark.parametrize("norm", ["deepnorm", "deeploop"])
 def test_postnorm_branches_enter_with_gain_one_over_alpha_after_the_first_visit(norm):
     model = _gpt(norm=norm, R=4, d_model=32, n_heads=4)
-    df = lp.branch_gain(model, _batch()[0])
+    df = branch_gain(model, _batch()[0])
     alpha = model.cfg.alpha
     assert df.inv_alpha.to_numpy() == pytest.approx(1 / alpha)
     later = df[df.i > 0]  # the first visit reads the raw embedding (RMS ~0.03), not RMS 1
@@ -178,7 +179,7 @@ def test_branch_gain_first_order_term_is_exact_as_the_branch_vanishes():
 def test_branch_gain_needs_alpha_and_residual_shaped_branches():
     model = make(SharedBlockModel, R=3)
     with pytest.raises(ValueError, match="pass alpha="):
-        lp.branch_gain(model, randn(2, 6))
+        branch_gain(model, randn(2, 6))
     probe = lp.attach(_gpt(norm="deeploop"), sublayers=["blocks.*.mlp.f.fc1"])
     with pytest.raises(ValueError, match="blocks.0.mlp.f.fc1"):
-        lp.branch_gain(probe, _batch()[0])
+        branch_gain(probe, _batch()[0])

@@ -98,9 +98,10 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_reader_sees_lazy_relative_and_type_checking_imports():
     graph = import_graph()
-    assert "loopprobe.visits" in graph["loopprobe.roundmap"]  # lazy, inside replay_round
+    # lazy, inside replay_round
+    assert "loopprobe.record.probe" in graph["loopprobe.differentiate.roundmap"]
     assert "loopprobe.models.gpt" in graph["loopprobe.models"]  # from the package's __init__
-    assert "loopprobe.plots" in graph["loopprobe.increments"]  # lazy, inside .plot()
+    assert "loopprobe.plots" in graph["loopprobe.estimate.increments"]  # lazy, inside .plot()
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
 
@@ -134,3 +135,73 @@ def test_building_the_cli_parser_for_help_loads_neither_seaborn_nor_matplotlib()
 def test_lp_plots_is_imported_on_first_use_and_then_is_the_plots_module():
     loaded = loaded_after("import loopprobe as lp\nassert lp.plots.kappa_vs_R")
     assert {"seaborn", "matplotlib", "loopprobe"} <= loaded
+
+
+# The four layers, in order; a module may import its own layer and the ones before it.
+# Modules outside them (autodiff, linalg, sweeps, theory, tasks, models, _checks, ...) are
+# the ground every layer stands on and import no layer.
+LAYERS = ["record", "differentiate", "estimate", "experiments", "plots", "report", "testing", "cli"]
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def module_level_imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """Package modules imported by statements run at import time (not inside functions)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module:
+            named = [f"{node.module}.{a.name}" for a in node.names]
+            out.update(t if t in known else node.module for t in named)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {t for t in out if t in known}
+
+
+def layer_violations(graph: dict[str, set[str]], mods: dict[str, pathlib.Path]) -> list:
+    """Edges from a module to a later layer (a lazy import of the plots is allowed: a
+    result's ``.plot()``), and from the ground to any layer."""
+    bad = []
+    for name, targets in graph.items():
+        if name == "loopprobe":
+            continue  # the public surface names everything
+        mine = layer_of(name)
+        eager = module_level_imports(mods[name], set(mods))
+        for t in targets:
+            theirs = layer_of(t)
+            if theirs is None:
+                continue
+            lazy_plot = LAYERS[theirs] == "plots" and t not in eager
+            if (mine is None or theirs > mine) and not lazy_plot:
+                bad.append((name, t))
+    return sorted(bad)
+
+
+def test_each_layer_imports_only_itself_and_the_layers_before_it():
+    assert layer_violations(import_graph(), modules()) == []
+
+
+def test_the_layer_check_catches_an_estimator_importing_an_experiment():
+    assert layer_of("loopprobe.estimate.increments") < layer_of("loopprobe.experiments.growth")
+    assert layer_of("loopprobe.autodiff") is None and layer_of("loopprobe.record.types") == 0
+
+
+def test_import_loopprobe_loads_no_torch_until_a_name_is_used():
+    assert "torch" not in loaded_after("import loopprobe")
+    assert "torch" in loaded_after("import loopprobe as lp\nlp.attach")
+
+
+def test_the_cli_help_lists_agree_with_the_modules_they_describe():
+    import loopprobe.cli.phi_fit
+    import loopprobe.cli.report
+    from loopprobe import report
+    from loopprobe.estimate import scaling_law
+
+    assert loopprobe.cli.report.SECTION_KEYS == tuple(s.key for s in report.SECTIONS)
+    assert loopprobe.cli.phi_fit.COLUMNS == scaling_law.COLUMNS
+
+
+def test_building_the_cli_parser_loads_no_torch():
+    assert "torch" not in loaded_after("from loopprobe.cli import build_parser\nbuild_parser()")

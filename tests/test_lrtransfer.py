@@ -12,7 +12,7 @@ import torch
 import loopprobe as lp
 from loopprobe import tasks
 from loopprobe.cli import main
-from loopprobe.lrtransfer import LRTransfer, train_short
+from loopprobe.experiments.lrtransfer import LRTransfer, train_short
 from loopprobe.models import GPTConfig, LoopedGPT
 
 LRS = [1e-3, 3e-3, 1e-2, 3e-2]
@@ -69,7 +69,7 @@ def test_diverged_cells_are_never_the_argmin():
 
 
 def test_tiny_reference_sweep_trains_every_cell_and_plots_a_panel_per_rule():
-    lt = lp.reference_lr_transfer(
+    lt = lp.experiments.reference_lr_transfer(
         ["1/sqrt(N)", "1/N"], Ns=[1, 2], lrs=[1e-3, 1e-2], steps=3, d_model=16,
         seq_len=8, batch=2, eval_batches=1,
     )  # fmt: skip
@@ -102,7 +102,7 @@ def test_generic_sweep_turns_a_raising_cell_into_a_diverged_row():
         return LoopedGPT(GPTConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=2, K=1, R=N))
 
     evals = [tasks.stdlib_text(2, 8, torch.Generator().manual_seed(0), split="val")]
-    lt = lp.lr_transfer(
+    lt = lp.experiments.lr_transfer(
         make, lambda t, g: tasks.stdlib_text(2, 8, g), evals, Ns=[1, 2], lrs=[1e-3], steps=2
     )
     rows = lt.to_frame().set_index("N")
@@ -113,11 +113,11 @@ def test_generic_sweep_turns_a_raising_cell_into_a_diverged_row():
 
 def test_bad_grids_raise():
     with pytest.raises(ValueError, match="increasing"):
-        lp.reference_lr_transfer(lrs=[1e-2, 1e-3])
+        lp.experiments.reference_lr_transfer(lrs=[1e-2, 1e-3])
     with pytest.raises(ValueError, match="positive"):
-        lp.reference_lr_transfer(lrs=[0.0, 1e-3])
+        lp.experiments.reference_lr_transfer(lrs=[0.0, 1e-3])
     with pytest.raises(ValueError, match="residuals"):
-        lp.reference_lr_transfer(["1/N^2"])
+        lp.experiments.reference_lr_transfer(["1/N^2"])
 
 
 def test_cli_lr_transfer_json_reports_best_and_drift(tmp_path, capsys):

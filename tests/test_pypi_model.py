@@ -35,8 +35,8 @@ from torch import nn
 from torch.func import functional_call
 
 import loopprobe as lp
-from loopprobe.sensitivity import sensitivity_norms
-from loopprobe.updates import per_visit_updates
+from loopprobe.estimate.sensitivity import sensitivity_norms
+from loopprobe.estimate.updates import per_visit_updates
 
 trm = pytest.importorskip("tiny_recursive_model", reason="the dev extra installs it")
 trm_dense = pytest.importorskip("tiny_recursive_model.trm_dense_loss")
@@ -218,7 +218,7 @@ def test_dense_loss_variant_counts_only_the_last_blocks_as_gradient_visible_from
     table = lp.attach(model).visit_table(inputs, output=pred)
     assert int(table.grad_visible[0]) == grad_depth * (n + 1) == table.attrs["M_g"]
     assert up.visible[0].tolist() == nonzero
-    rep = lp.attach(model).alignment(inputs, ce_loss(labels), output=pred, max_iter=5)
+    rep = lp.visit_alignment(lp.attach(model), inputs, ce_loss(labels), output=pred, max_iter=5)
     assert int(rep.sublayers.R_g[0]) == grad_depth * (n + 1)
 
 
@@ -296,7 +296,7 @@ def test_kappa_of_each_mixer_branch_equals_the_dense_untied_oracle():
     model = make_trm(T, n)
     inputs, labels = trm_batch(model)
     probe = lp.attach(model, sublayers=["network.*.*"])
-    rep = probe.alignment(inputs, ce_loss(labels), output=pred, max_iter=300)
+    rep = lp.visit_alignment(probe, inputs, ce_loss(labels), output=pred, max_iter=300)
     assert (rep.M, rep.M_g) == (2 * T * (n + 1), 2 * (n + 1))
     assert list(rep.sublayers.R) == [T * (n + 1)] * 2
     assert list(rep.sublayers.R_g) == [n + 1] * 2
@@ -345,8 +345,13 @@ def test_kappa_of_every_sublayer_lies_in_zero_to_its_gradient_visible_visits(
 ):
     model = make_trm(T, n, depth=depth, seed=seed)
     inputs, labels = trm_batch(model, seed=seed + 1)
-    rep = lp.attach(model, sublayers=["network.*.*"]).alignment(
-        inputs, ce_loss(labels), output=pred, update=update, max_iter=100
+    rep = lp.visit_alignment(
+        lp.attach(model, sublayers=["network.*.*"]),
+        inputs,
+        ce_loss(labels),
+        output=pred,
+        update=update,
+        max_iter=100,
     )
     assert len(rep.sublayers) == 2 * depth and rep.M_g == 2 * depth * (n + 1)
     for row in rep.sublayers.itertuples():

@@ -72,7 +72,7 @@ def test_probing_leaves_the_model_bit_identical():
 
 
 def test_without_output_F_is_the_hugging_face_last_hidden_state():
-    from loopprobe.sensitivity import sensitivity_norms
+    from loopprobe.estimate.sensitivity import sensitivity_norms
 
     case = make_albert(R)
     probe = chk.probe(case)

@@ -24,7 +24,7 @@ from _oracles import counting_calls
 from realmodels import make_hrm_text
 
 import loopprobe as lp
-from loopprobe.updates import per_visit_updates
+from loopprobe.estimate.updates import per_visit_updates
 
 H, L = 2, 2
 LOW, HIGH = "model.L_module", "model.H_module"

@@ -20,7 +20,7 @@ from _oracles import counting_calls
 from realmodels import make_torch_encoder
 
 import loopprobe as lp
-from loopprobe.updates import per_visit_updates
+from loopprobe.estimate.updates import per_visit_updates
 
 R = 3
 CHECKPOINTING = [None, "non_reentrant", "reentrant"]
@@ -72,8 +72,8 @@ def test_kappa_lies_between_zero_and_R():
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING[1:])
 def test_checkpointed_kappa_equals_the_plain_models(checkpointing):
     plain, ckpt = make_torch_encoder(R), make_torch_encoder(R, checkpointing)
-    a = chk.probe(plain).alignment(plain.inputs, plain.loss_fn, method="lanczos")
-    b = chk.probe(ckpt).alignment(ckpt.inputs, ckpt.loss_fn, method="lanczos")
+    a = lp.visit_alignment(chk.probe(plain), plain.inputs, plain.loss_fn, method="lanczos")
+    b = lp.visit_alignment(chk.probe(ckpt), ckpt.inputs, ckpt.loss_fn, method="lanczos")
     assert b.kappa == pytest.approx(a.kappa, rel=1e-8)
 
 

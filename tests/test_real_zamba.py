@@ -22,7 +22,7 @@ import pytest
 from _oracles import counting_calls
 from realmodels import make_zamba
 
-from loopprobe.sensitivity import sensitivity_norms
+from loopprobe.estimate.sensitivity import sensitivity_norms
 
 
 def shared_instances(model) -> list[str]:

@@ -14,40 +14,42 @@ import pandas as pd
 import pytest
 import torch
 
-from loopprobe import scaling as sc
 from loopprobe.cli import main
+from loopprobe.estimate import scaling as sc
+from loopprobe.estimate import scaling_law as sl
+from loopprobe.experiments import scaling_grid as sg
 from loopprobe.models import GPTConfig, LoopedGPT
 
 
 @pytest.fixture(scope="module")
 def exact():
-    return sc.synthetic_runs(noise=0.0)
+    return sg.synthetic_runs(noise=0.0)
 
 
 @pytest.fixture(scope="module")
 def noisy():
-    return sc.synthetic_runs(noise=0.010, cell_noise=0.003, seed=5)
+    return sg.synthetic_runs(noise=0.010, cell_noise=0.003, seed=5)
 
 
 @pytest.mark.parametrize("target", ["log", "raw"])
 def test_analytic_gradient_matches_central_differences(noisy, target):
-    X = sc._design(noisy)
+    X = sl._design(noisy)
     rng = np.random.default_rng(0)
     for _ in range(5):
         theta = np.array([3.0, 0.2, 7.0, 0.37, 0.45, 0.46]) + 0.1 * rng.standard_normal(6)
-        f, g = sc.objective(theta, X, target)
+        f, g = sl.objective(theta, X, target)
         num = np.zeros(6)
         for i in range(6):
             h = np.zeros(6)
             h[i] = 1e-6
             num[i] = (
-                sc.objective(theta + h, X, target)[0] - sc.objective(theta - h, X, target)[0]
+                sl.objective(theta + h, X, target)[0] - sl.objective(theta - h, X, target)[0]
             ) / 2e-6
         np.testing.assert_allclose(g, num, rtol=1e-5, atol=1e-9 * max(1.0, abs(f)))
 
 
 def test_paper_grid_has_116_runs_and_reproduces_the_955m_tokens_of_table_5():
-    g = sc.paper_grid()
+    g = sg.paper_grid()
     assert len(g) == 116 and g.groupby("r").size().tolist() == [29, 29, 29, 29]
     assert g.groupby(["budget", "r"]).ngroups == 24
     cell = g[(g.s == 10) & (g.r == 4) & (g.budget == 1e18)].iloc[0]
@@ -56,29 +58,29 @@ def test_paper_grid_has_116_runs_and_reproduces_the_955m_tokens_of_table_5():
 
 
 def test_planted_law_passes_through_both_published_anchor_runs():
-    p = sc.planted_params()
-    for r, s, D, L in sc.ANCHORS:
-        n_once, n_rec = sc.split_counts(r, 64 * s)
+    p = sg.planted_params()
+    for r, s, D, L in sg.ANCHORS:
+        n_once, n_rec = sg.split_counts(r, 64 * s)
         row = pd.DataFrame({"r": [r], "n_once": [n_once], "n_rec": [n_rec], "tokens": [D]})
-        assert sc.predict(p, row)[0] == pytest.approx(L, abs=1e-12)
+        assert sl.predict(p, row)[0] == pytest.approx(L, abs=1e-12)
 
 
 def test_exact_losses_are_recovered_to_solver_precision(exact):
-    fit = sc.fit_law(sc.check_runs(exact), restarts=2)
-    truth = sc.planted_params()
+    fit = sc.fit_law(sl.check_runs(exact), restarts=2)
+    truth = sg.planted_params()
     for k, v in truth.items():
         assert fit.params[k] == pytest.approx(v, rel=1e-6), k
     assert fit.r2 == pytest.approx(1.0, abs=1e-12) and fit.converged, fit.reason
 
 
 def test_fit_does_not_depend_on_the_restart_seed(noisy):
-    df = sc.check_runs(noisy)
+    df = sl.check_runs(noisy)
     phis = [sc.fit_law(df, restarts=3, seed=s).params["phi"] for s in (0, 11, 23)]
     assert max(phis) - min(phis) < 1e-6, phis
 
 
 def test_scipy_default_tolerances_stop_far_from_the_optimum_that_tight_ones_reach(noisy):
-    df = sc.check_runs(noisy)
+    df = sl.check_runs(noisy)
     start = [np.array([20.0, 1.0, 10.0, 0.5, 0.5, 1.5])]
     loose = sc.fit_law(df, restarts=0, informed=0, starts=start, options={}, rescale=False)
     tight = sc.fit_law(df, restarts=0, informed=0, starts=start)
@@ -91,13 +93,13 @@ def test_restricted_fits_lose_r2_and_standard_law_fits_one_architecture(noisy):
     fit = sc.fit_recurrence_law(noisy, bootstrap=0, restarts=2)
     assert fit.r2 > fit.restricted["phi=0"].r2 and fit.r2 > fit.restricted["phi=1"].r2
     assert fit.restricted["phi=1"].params["phi"] == 1.0
-    r1 = sc.check_runs(sc.synthetic_runs(noise=0.0)).query("r == 1").reset_index(drop=True)
+    r1 = sl.check_runs(sg.synthetic_runs(noise=0.0)).query("r == 1").reset_index(drop=True)
     std = sc.fit_law(r1, form="standard", restarts=2)
     assert std.params["alpha"] == pytest.approx(0.199, rel=1e-5) and "phi" not in std.params
 
 
 def test_block_bootstrap_resamples_cells_and_brackets_the_estimate(noisy):
-    df = sc.check_runs(noisy)
+    df = sl.check_runs(noisy)
     fit = sc.fit_law(df, restarts=2)
     draws, ci = sc.block_bootstrap(df, fit, 20, boot_restarts=0, seed=3)
     again, _ = sc.block_bootstrap(df, fit, 20, boot_restarts=0, seed=3)

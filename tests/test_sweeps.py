@@ -179,7 +179,7 @@ def test_diverge_on_a_column_the_diagnostic_does_not_return_is_an_error_naming_i
 
 def test_a_healthy_truncated_model_alignment_with_documented_nans_is_not_diverged():
     def alignment(model):
-        rep = lp.attach(model).alignment(x, lambda out, _: ((out - target) ** 2).sum())
+        rep = lp.visit_alignment(lp.attach(model), x, lambda out, _: ((out - target) ** 2).sum())
         return rep.to_frame()
 
     x, target = randn(3, 6), randn(3, 6, seed=7)

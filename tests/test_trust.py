@@ -10,9 +10,10 @@ from thirdparty_models import ForLoopModel, make, randn
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.alignment import _kappa_checks, bound_check, visit_alignment
-from loopprobe.implicit import input_dependence
-from loopprobe.sensitivity import choose_method
+from loopprobe.estimate.alignment import _kappa_checks, visit_alignment
+from loopprobe.estimate.bound import bound_check
+from loopprobe.estimate.implicit import input_dependence
+from loopprobe.estimate.sensitivity import choose_method
 
 
 def reference(norm: str = "deeploop", dtype=torch.float64):
@@ -97,9 +98,9 @@ def test_a_float32_true_change_near_roundoff_is_taken_in_float64(monkeypatch):
     assert chk.converged, chk.reason
     assert chk.dF_roundoff < 1e-6  # float64: the difference is exact to many digits
     assert chk.dF_true == pytest.approx(chk.dF_first, rel=1e-3)  # a tiny step is first order
-    import loopprobe.alignment as al
+    import loopprobe.estimate.bound as bound
 
-    monkeypatch.setattr(al, "FLOAT64_COPY_LIMIT", 0)  # too large to copy: flag instead
+    monkeypatch.setattr(bound, "FLOAT64_COPY_LIMIT", 0)  # too large to copy: flag instead
     flagged = bound_check(lp.attach(model), x, loss, lr=1e-6, alpha=1.0, beta=1.0)
     assert flagged.dF_roundoff > 1e-3
     assert not flagged.converged and "roundoff" in flagged.reason

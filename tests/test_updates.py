@@ -20,7 +20,7 @@ from thirdparty_models import (
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.updates import per_visit_updates
+from loopprobe.estimate.updates import per_visit_updates
 
 
 def mse(target: torch.Tensor):

@@ -68,3 +68,28 @@ def test_F_refuses_the_wrong_number_of_offset_tuples():
     F, d0 = lp.visit_function(model, randn(2, 5))
     with pytest.raises(ValueError, match="one tuple of offsets per visit"):
         F(d0[:1])
+
+
+def op_norm_by_jvp_vjp(F, d0, k: int, iters: int = 200) -> float:
+    """The README's example: ||U_k|| by power iteration with plain torch.func.jvp / vjp."""
+    t = tuple(torch.randn_like(p) for p in d0[k])
+    for _ in range(iters):  # power iteration on U_k^T U_k
+        tangent = tuple(
+            t if i == k else tuple(map(torch.zeros_like, ps)) for i, ps in enumerate(d0)
+        )
+        _, u = torch.func.jvp(F, (d0,), (tangent,))  # U_k t
+        t = torch.func.vjp(F, d0)[1](u)[0][k]  # U_k^T U_k t
+        scale = torch.sqrt(sum(x.square().sum() for x in t))
+        t = tuple(x / scale for x in t)
+    return float(scale.sqrt())  # ||U_k||
+
+
+def test_one_visit_norm_by_plain_jvp_and_vjp_is_the_untied_jacobians_top_singular_value():
+    model = make(ForLoopModel, K=2, R=3)
+    x = randn(2, 5)
+    F, d0 = lp.visit_function(model, x)
+    oracle = untied_jacobians(model, x)
+    torch.manual_seed(0)
+    for k in (0, 3):
+        want = float(torch.linalg.matrix_norm(oracle[F.visits[k].i], ord=2))
+        assert op_norm_by_jvp_vjp(F, d0, k) == pytest.approx(want, rel=1e-8)

@@ -21,15 +21,13 @@ import pkgutil
 import sys
 from typing import NoReturn
 
-import torch
-
 import loopprobe
-from loopprobe.cli._common import cwd_on_path
+from loopprobe._io import cwd_on_path
 
 THREADS_HELP = (
     "torch intra-op threads. Default: 1 for models below {threshold:.0e} parameter-tokens "
     "(parameters x token positions; the reference models of every command are far below); "
-    "above, torch's default ({default}) capped at the cores the load average leaves idle. "
+    "above, torch's default (one per core) capped at the cores the load average leaves idle. "
     "Several threads on small kernels wait on each other and run many times slower than "
     "one when another process keeps a core busy (benchmarks/bench_threads.py)."
 )
@@ -54,7 +52,7 @@ def _positive_int(text: str) -> int:
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """``--threads`` and ``--debug``, on every command."""
-    from loopprobe.threads import THRESHOLD
+    from loopprobe._threads import THRESHOLD
 
     group = parser.add_argument_group("common options")
     group.add_argument(
@@ -62,7 +60,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=None,
         metavar="N",
-        help=THREADS_HELP.format(threshold=THRESHOLD, default=torch.get_num_threads()),
+        help=THREADS_HELP.format(threshold=THRESHOLD),
     )
     group.add_argument("--debug", action="store_true", help="show the full traceback of an error")
 
@@ -93,10 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    previous = torch.get_num_threads()
-    args.torch_default_threads = previous
     args.threads_used = args.threads or 1
-    torch.set_num_threads(args.threads_used)  # commands raise it for large models
+    previous = None
+    if getattr(args, "uses_torch", True):  # `theory` is arithmetic: no torch to load
+        import torch
+
+        previous = args.torch_default_threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads_used)  # commands raise it for large models
     try:
         with cwd_on_path():
             return int(args.func(args) or 0)
@@ -119,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     finally:
-        torch.set_num_threads(previous)
+        if previous is not None:
+            import torch
+
+            torch.set_num_threads(previous)
 
 
 def _one_line(err: BaseException) -> str:

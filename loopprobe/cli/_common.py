@@ -1,17 +1,15 @@
-"""Helpers shared by the subcommands: list parsing, JSON output, loading a user's model."""
+"""Helpers shared by the subcommands: list parsing, tables, JSON output, thread choice."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import json
-import math
-import os
-import sys
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import torch
+from loopprobe._io import to_jsonable
+
+if TYPE_CHECKING:
+    import torch
 
 
 def int_list(text: str) -> list[int]:
@@ -25,73 +23,6 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-@contextlib.contextmanager
-def cwd_on_path() -> Iterator[None]:
-    """Put the current directory first on ``sys.path`` for the block (as ``python -m`` does).
-
-    The ``loopprobe`` console script starts with its own ``bin/`` directory on the path, so
-    ``--model mymodel:make`` would not find ``./mymodel.py`` without this. Removed on exit
-    (only if this call added it).
-    """
-    cwd = os.getcwd()
-    if cwd in sys.path or "" in sys.path:
-        yield
-        return
-    sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.path.remove(cwd)
-
-
-def load_object(spec: str, what: str = "--model") -> Callable[..., Any]:
-    """Import ``package.module:attr`` (also from the current directory) and return the attr.
-
-    Every failure is a one-line ``ValueError``/``TypeError`` naming the flag and the spec.
-    """
-    shape = "package.module:" + ("factory" if what == "--model" else "fn")
-    if not isinstance(spec, str) or ":" not in spec:
-        raise ValueError(f"{what} {spec!r} must look like {shape}")
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise ValueError(f"{what} {spec!r} must look like {shape}")
-    importlib.invalidate_caches()  # a module written since the last import is found
-    try:
-        with cwd_on_path():
-            module = importlib.import_module(mod_name)
-    except ModuleNotFoundError as err:
-        where = "" if err.name == mod_name else f" (it imports {err.name!r}, which is missing)"
-        raise ValueError(
-            f"{what} {spec!r}: cannot import {mod_name!r}{where}; run from the directory that "
-            "holds it or put it on PYTHONPATH"
-        ) from err
-    except Exception as err:  # noqa: BLE001 - the user's module failed on import: one line
-        raise ValueError(
-            f"{what} {spec!r}: importing {mod_name!r} raised {type(err).__name__}: {err}"
-        ) from err
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as err:
-            raise ValueError(
-                f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}"
-            ) from err
-    if not callable(obj):
-        raise TypeError(f"{what} {spec!r}: {attr!r} is not callable ({type(obj).__name__})")
-    return obj
-
-
-def call_user(fn: Callable[..., Any], what: str, spec: str, *args: Any) -> Any:
-    """``fn(*args)``; any exception it raises becomes one ``ValueError`` line naming it."""
-    try:
-        return fn(*args)
-    except Exception as err:  # noqa: BLE001 - the user's code: report it in one line
-        call = f"{spec.partition(':')[2]}({', '.join(type(a).__name__ for a in args)})"
-        raise ValueError(f"{what} {spec}: {call} raised {type(err).__name__}: {err}") from err
-
-
 class DefaultOutput:
     """Picks F when no ``--output`` is given: the output itself if it is a tensor, else
     its ``.logits`` (Hugging Face ``ModelOutput`` and similar objects) or ``["logits"]``.
@@ -103,6 +34,8 @@ class DefaultOutput:
         self.picked: str | None = None
 
     def __call__(self, out: Any) -> torch.Tensor:
+        import torch
+
         if isinstance(out, torch.Tensor):
             self.picked = self.picked or "the model output"
             return out
@@ -124,6 +57,8 @@ class DefaultOutput:
 
 def model_loss(out: Any) -> torch.Tensor | None:
     """The scalar ``.loss`` (or ``["loss"]``) a model returned itself (Hugging Face style)."""
+    import torch
+
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")
@@ -135,10 +70,12 @@ def model_loss(out: Any) -> torch.Tensor | None:
 def apply_threads(args: Any, work: float | None) -> int:
     """Set torch's intra-op threads for a command: ``--threads`` or the size rule.
 
-    ``work`` is the model's parameter-tokens (:func:`loopprobe.threads.work`); ``None``
+    ``work`` is the model's parameter-tokens (:func:`loopprobe._threads.work`); ``None``
     for commands that do no torch computation. The count is stored in ``args.threads_used``.
     """
-    from loopprobe.threads import auto_threads
+    import torch
+
+    from loopprobe._threads import auto_threads
 
     if args.threads is not None:
         n = args.threads
@@ -149,19 +86,6 @@ def apply_threads(args: Any, work: float | None) -> int:
     torch.set_num_threads(n)
     args.threads_used = n
     return n
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Convert numpy/torch scalars, NaN and nested containers to plain JSON values."""
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def print_json(obj: Any) -> None:

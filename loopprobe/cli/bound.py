@@ -20,20 +20,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from loopprobe import theory
-from loopprobe.alignment import bound_sweep
 from loopprobe.cli._common import apply_threads, emit, int_list, text_table
-from loopprobe.cli.kappa import (
-    _fmt,
-    add_target_args,
-    build_target,
-    call_hint,
-    check_positive,
-    describe,
-)
-from loopprobe.threads import work
+from loopprobe.cli.kappa import _fmt, add_target_args, check_positive
 
 ROW_KEYS = (
     "R",
@@ -97,6 +86,9 @@ def _r_list(text: str) -> list[int]:
 
 
 def build_report(args: argparse.Namespace) -> dict:
+    from loopprobe._threads import work
+    from loopprobe.cli._target import build_target, call_hint
+
     check_positive(args, ("K", "d_model", "heads", "seq", "batch", "vocab", "max_iter"))
     Rs = list(args.R)
     bad = [R for R in Rs if R < 1]
@@ -121,6 +113,10 @@ def build_report(args: argparse.Namespace) -> dict:
 
 
 def _sweep(args: argparse.Namespace, Rs: list[int], targets: dict) -> object:
+    import torch
+
+    from loopprobe.estimate.bound import bound_sweep
+
     first = targets[Rs[0]]
     return bound_sweep(
         lambda R: targets[R].model,
@@ -142,6 +138,8 @@ def _sweep(args: argparse.Namespace, Rs: list[int], targets: dict) -> object:
 
 
 def _report(args: argparse.Namespace, Rs: list[int], first: object, sweep: object) -> dict:
+    from loopprobe.cli._target import describe
+
     frame = sweep.to_frame()
     rows = frame[[k for k in ROW_KEYS if k in frame.columns]].to_dict(orient="records")
     rows = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in rows]
@@ -173,6 +171,8 @@ def _report(args: argparse.Namespace, Rs: list[int], first: object, sweep: objec
 
 def _per_model_loss(targets: dict) -> object:
     """bound_sweep passes one loss for every R; each target closes over its own targets."""
+    import torch
+
     by_inputs = {id(t.inputs): t.loss_fn for t in targets.values()}
 
     def loss_fn(out: object, inputs: object) -> torch.Tensor:

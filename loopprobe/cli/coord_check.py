@@ -16,21 +16,19 @@ each group at the last step (0 = flat = stable in N). Reference: docs/definition
 from __future__ import annotations
 
 import argparse
-import importlib
 import pathlib
 import re
 
 from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
-
-_cc = importlib.import_module("loopprobe.coordcheck")
+from loopprobe.theory import COORD_QUANTITIES, SCHEMES
 
 
 def _schemes(text: str) -> list[str]:
     values = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [v for v in values if v not in _cc.SCHEMES]
+    bad = [v for v in values if v not in SCHEMES]
     if bad or not values:
         raise argparse.ArgumentTypeError(
-            f"--schemes {text!r}: each must be one of {', '.join(_cc.SCHEMES)}"
+            f"--schemes {text!r}: each must be one of {', '.join(SCHEMES)}"
         )
     return values
 
@@ -45,8 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "change since step 0; one figure per scheme and quantity, one panel per step."
         ),
     )
-    parser.add_argument("--schemes", type=_schemes, default=list(_cc.SCHEMES),
-                        help="comma-separated: " + ", ".join(_cc.SCHEMES))  # fmt: skip
+    parser.add_argument("--schemes", type=_schemes, default=list(SCHEMES),
+                        help="comma-separated: " + ", ".join(SCHEMES))  # fmt: skip
     parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8, 16], help="loop counts")
     parser.add_argument("--seeds", type=int, default=2, help="seeds 0..S-1")
     parser.add_argument("--steps", type=int, default=4)
@@ -60,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="RMS of the loop input h_0 at init via a fixed embedding "
                         "multiplier (default 1); 'model' trains the model as built")  # fmt: skip
     parser.add_argument("--quantities", default="state_change,increment_change",
-                        help="figures to draw: " + ", ".join(_cc.QUANTITIES))  # fmt: skip
+                        help="figures to draw: " + ", ".join(COORD_QUANTITIES))  # fmt: skip
     parser.add_argument("--cache", default=None, help="cache directory for the sweep cells")
     parser.add_argument("--out", required=True, help="output directory (CSV and figures)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -74,10 +72,12 @@ def _slug(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, args.K))
     quantities = [q.strip() for q in args.quantities.split(",") if q.strip()]
-    bad = [q for q in quantities if q not in _cc.QUANTITIES]
+    bad = [q for q in quantities if q not in COORD_QUANTITIES]
     if bad:
-        raise ValueError(f"--quantities: {bad} not in {list(_cc.QUANTITIES)}")
-    cc = _cc.reference_coord_check(
+        raise ValueError(f"--quantities: {bad} not in {list(COORD_QUANTITIES)}")
+    from loopprobe.experiments.coordcheck import reference_coord_check
+
+    cc = reference_coord_check(
         args.schemes,
         args.N,
         list(range(args.seeds)),

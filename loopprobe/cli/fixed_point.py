@@ -14,14 +14,16 @@ returning the token ids. Reference: docs/definitions.md §4.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+from loopprobe._io import call_user, load_object
+from loopprobe.cli._common import apply_threads, print_json
 
-from loopprobe import fixedpoint as fpm
-from loopprobe.cli._common import apply_threads, call_user, load_object, print_json
-from loopprobe.threads import work
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+DTYPES = ("float64", "float32")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def default_model(seed: int = 0) -> torch.nn.Module:
     """The reference LoopedGPT of the study: one block, additive recall, outer RMSNorm."""
+    import torch
+
     from loopprobe.models import GPTConfig, LoopedGPT
 
     cfg = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=4, K=1, R=8,
@@ -69,12 +73,23 @@ def report(
     seed: int = 0,
 ) -> dict:
     """All fixed-point diagnostics of ``model`` at ``idx`` as one flat dict."""
-    rm = fpm.round_map(model, idx)
-    fp = fpm.fixed_point(rm.T, rm.h0, tol=tol, max_iter=max_iter, method=method)
+    import torch
+
+    from loopprobe.differentiate.roundmap import round_map
+    from loopprobe.estimate.fixedpoint import (
+        fixed_point,
+        jacobian_norm,
+        round_residuals,
+        spectral_radius,
+    )
+    from loopprobe.estimate.implicit import input_dependence
+
+    rm = round_map(model, idx)
+    fp = fixed_point(rm.T, rm.h0, tol=tol, max_iter=max_iter, method=method)
     gen = torch.Generator().manual_seed(seed)
-    sr = fpm.spectral_radius(rm.T, fp.h, k=k, generator=gen)
-    jn = fpm.jacobian_norm(rm.T, fp.h, generator=gen)
-    dep = fpm.input_dependence(rm.step, fp.h, rm.x, rounds=rm.rounds, generator=gen)
+    sr = spectral_radius(rm.T, fp.h, k=k, generator=gen)
+    jn = jacobian_norm(rm.T, fp.h, generator=gen)
+    dep = input_dependence(rm.step, fp.h, rm.x, rounds=rm.rounds, generator=gen)
     out = {
         "state_shape": list(fp.h.shape),
         "dtype": str(fp.h.dtype).removeprefix("torch."),
@@ -98,7 +113,7 @@ def report(
         "rounds": rm.rounds,
     }
     if rm.rounds is not None:
-        rr = fpm.round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
+        rr = round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
         out["rounds_residual"] = rr.residual
         out["rounds_distance"] = rr.distance
     out["residuals"] = fp.residuals
@@ -106,13 +121,17 @@ def report(
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from loopprobe._threads import work
+
     if args.model is None:
         model = default_model(args.seed)
     else:
         model = call_user(load_object(args.model, "--model"), "--model", args.model)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"--model {args.model!r} returned {type(model).__name__}, not a Module")
-    model = model.to(DTYPES[args.dtype])
+    model = model.to(getattr(torch, args.dtype))
     if args.inputs is not None:
         idx = call_user(load_object(args.inputs, "--inputs"), "--inputs", args.inputs, model)
     else:

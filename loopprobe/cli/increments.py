@@ -15,17 +15,13 @@ and the regime it names. Reference: docs/definitions.md §3; seed 004.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import pathlib
 
-import pandas as pd
-
 from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
-from loopprobe.models.gpt import RESIDUALS
+from loopprobe.theory import RESIDUALS, TYINGS
 
 # the module, not the function ``lp.increments`` that shadows it on the package
-_inc = importlib.import_module("loopprobe.increments")
 
 
 def _choices(allowed: tuple[str, ...], what: str):
@@ -42,6 +38,7 @@ def _choices(allowed: tuple[str, ...], what: str):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+
     parser = subparsers.add_parser(
         "increments",
         help="growth exponent of ||h_N - h_0||/||h_0|| over N and increment correlation, at init",
@@ -52,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "physical block applied N times; untied: N distinct blocks applied once."
         ),
     )
-    parser.add_argument("--tying", type=_choices(_inc.TYINGS, "--tying"), default=["tied"],
+    parser.add_argument("--tying", type=_choices(TYINGS, "--tying"), default=["tied"],
                         help="tied, untied or both (comma-separated)")  # fmt: skip
     parser.add_argument("--residual", type=_choices(RESIDUALS, "--residual"), default=["1/N"],
                         help="none, 1/sqrt(N), 1/N, loop-mup (comma-separated)")  # fmt: skip
@@ -88,6 +85,8 @@ def _h0(text: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loopprobe.experiments.growth import reference_growth
+
     # untied: N blocks of one model, the largest the sweep builds
     blocks = max(args.N) if "untied" in args.tying else 1
     setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, blocks))
@@ -96,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     for tying in args.tying:
         for residual in args.residual:
             results.append(
-                _inc.reference_growth(
+                reference_growth(
                     tying,
                     residual,
                     args.N,
@@ -154,6 +153,8 @@ def _table(r: dict) -> str:
 
 
 def _save(results: list, out: pathlib.Path) -> None:
+    import pandas as pd
+
     out.mkdir(parents=True, exist_ok=True)
     df = pd.concat([g.to_frame() for g in results], ignore_index=True)
     df.to_csv(out / "increments.csv", index=False)

@@ -15,13 +15,10 @@ cached with ``--cache`` (an interrupted run resumes). Reference: seed 004; issue
 from __future__ import annotations
 
 import argparse
-import importlib
 import pathlib
 
 from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
-from loopprobe.models.gpt import RESIDUALS
-
-_lt = importlib.import_module("loopprobe.lrtransfer")
+from loopprobe.theory import RESIDUALS
 
 
 def _floats(text: str) -> list[float]:
@@ -35,6 +32,7 @@ def _floats(text: str) -> list[float]:
 
 
 def _residuals(text: str) -> list[str]:
+
     values = [t.strip() for t in text.split(",") if t.strip()]
     if not values or any(v not in RESIDUALS for v in values):
         raise argparse.ArgumentTypeError(
@@ -71,7 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, 1))
-    lt = _lt.reference_lr_transfer(
+    from loopprobe.experiments.lrtransfer import reference_lr_transfer
+
+    lt = reference_lr_transfer(
         args.residual,
         args.N,
         args.lr,

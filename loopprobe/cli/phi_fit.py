@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+from typing import TYPE_CHECKING
 
-import pandas as pd
-
-from loopprobe import scaling
 from loopprobe.cli._common import emit, text_table
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+#: the CSV columns of a run (tests check them against loopprobe.estimate.scaling_law.COLUMNS;
+#: listed here so that --help does not import scipy and torch)
+COLUMNS = ("loss", "r", "n_once", "n_rec", "tokens", "budget")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Fit the joint iso-depth law of arXiv 2604.21106 (Huber 1e-3 on log loss, LSE "
             "form, L-BFGS-B with restarts) to a CSV of runs; report phi with a block-bootstrap "
             "CI over (budget, arch) cells, the restricted phi = 0 / phi = 1 fits, and the "
-            f"residuals per architecture. Columns: {', '.join(scaling.COLUMNS)} (+ arch, seed)."
+            f"residuals per architecture. Columns: {', '.join(COLUMNS)} (+ arch, seed)."
         ),
     )
     parser.add_argument("csv", help="runs CSV")
@@ -41,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _read(path: str) -> pd.DataFrame:
+    import pandas as pd
+
     p = pathlib.Path(path)
     if not p.is_file():
         raise ValueError(f"{path}: no such file; give the path of a runs CSV")
@@ -51,6 +59,8 @@ def _read(path: str) -> pd.DataFrame:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loopprobe.estimate import scaling
+
     df = _read(args.csv)
     fit = scaling.fit_recurrence_law(
         df, bootstrap=args.bootstrap, restarts=args.restarts, seed=args.seed

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hrm.add_argument("--K-H", dest="K_H", type=int, default=None, help="blocks in module H")
     hrm.add_argument("--C-L", dest="C_L", type=int, default=None, help="L iterations per cycle")
     hrm.add_argument("--K-L", dest="K_L", type=int, default=None, help="blocks in module L")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, uses_torch=False)
 
 
 def scheme_row(K: int, R: int, norm: str, p: float | None = None) -> dict:

@@ -21,9 +21,9 @@ from loopprobe.models.layers import (
     no_global_draws,
     xavier_normal,
 )
+from loopprobe.theory import RESIDUALS
 
 NORMS = PRE_NORMS + POST_NORMS
-RESIDUALS = ("none", "1/sqrt(N)", "1/N", "loop-mup")
 RECALLS = ("none", "add", "linear", "internal")
 
 

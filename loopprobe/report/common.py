@@ -14,7 +14,7 @@ from torch import nn
 
 import loopprobe
 from loopprobe import tasks
-from loopprobe.cli._common import load_object
+from loopprobe._io import load_object
 from loopprobe.report.config import ReportConfig, Skip, UserModel
 
 
@@ -71,22 +71,6 @@ def _cfg_attr(model: nn.Module, *names: str) -> dict[str, Any] | None:
     if cfg is None or not all(hasattr(cfg, n) for n in names):
         return None
     return {n: getattr(cfg, n) for n in names}
-
-
-def _need(module: str, issue: int) -> Any:
-    """The module, or Skip when it is not part of this install.
-
-    Only a missing ``module`` itself is a skip; any other ImportError (a broken import
-    inside it) propagates, so the section is reported failed with the reason.
-    """
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name is None or not module.startswith(err.name):
-            raise
-        raise Skip(f"{module} is not available in this install ({err}; issue {issue})") from err
 
 
 _LIBRARY = pathlib.Path(loopprobe.__file__).resolve().parent

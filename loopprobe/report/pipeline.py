@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 import loopprobe
-from loopprobe.cli._common import to_jsonable
+from loopprobe._io import to_jsonable
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Section, Skip, UserModel
 from loopprobe.report.render import format_summary, render_html
 from loopprobe.report.sections import SECTIONS

@@ -12,12 +12,12 @@ import torch
 
 import loopprobe
 from loopprobe import theory
+from loopprobe._stats import loglog_slope
 from loopprobe.report.common import (
     _batch,
     _cfg_attr,
     _gpt,
     _lm_loss,
-    _need,
     first_tensor,
     refusal_is_skip,
 )
@@ -129,7 +129,7 @@ def _alignment_cell(c: dict) -> list[dict]:
     cell diverged when the bound check's numbers are not finite (a NaN U norm of one
     visit alone is data, not divergence).
     """
-    from loopprobe.alignment import bound_check
+    from loopprobe.estimate.bound import bound_check
 
     cfg = ReportConfig(**{k: v for k, v in c.items() if k in _CFG_FIELDS})
     model = _gpt(cfg, K=c["K"], R=c["R"], norm=c["norm"])
@@ -168,7 +168,6 @@ def _split(df: pd.DataFrame, table: str) -> pd.DataFrame:
 
 def alignment_section(ctx: Context) -> Result:
     """κ_R and the bound check over R per scheme (default) or κ_j on the user's model."""
-    _need("loopprobe.alignment", 3)
     if ctx.user is not None:
         return _alignment_user(ctx)
     cfg = ctx.cfg
@@ -202,9 +201,9 @@ def alignment_section(ctx: Context) -> Result:
         slopes.append(
             {
                 "scheme": norm,
-                "fitted slope of ‖ΔF‖": plots.loglog_slope(sub.R, sub.dF_true),
+                "fitted slope of ‖ΔF‖": loglog_slope(sub.R, sub.dF_true),
                 "predicted slope": predicted.get(norm, math.nan),
-                "κ_R slope": plots.loglog_slope(sub.R, sub.kappa),
+                "κ_R slope": loglog_slope(sub.R, sub.kappa),
                 "C max/min": float(C.max() / C.min()),
             }
         )
@@ -280,7 +279,8 @@ def alignment_section(ctx: Context) -> Result:
 
 
 def _alignment_user(ctx: Context) -> Result:
-    from loopprobe.alignment import bound_check, visit_alignment
+    from loopprobe.estimate.alignment import visit_alignment
+    from loopprobe.estimate.bound import bound_check
 
     u = ctx.user
     notes = [f"loss: {u.loss_name}"]

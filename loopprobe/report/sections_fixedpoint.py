@@ -3,37 +3,28 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
-from typing import Any
 
 import pandas as pd
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from loopprobe import tasks
-from loopprobe.report.common import _gpt, _need
+from loopprobe.differentiate.roundmap import round_map
+from loopprobe.estimate.fixedpoint import (
+    fixed_point,
+    jacobian_norm,
+    round_residuals,
+    spectral_radius,
+)
+from loopprobe.estimate.implicit import input_dependence
+from loopprobe.experiments import recall as study
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Skip
 
 
 def _fixedpoint_models(cfg: ReportConfig) -> tuple[list[tuple[str, nn.Module]], torch.Tensor, str]:
-    """The recall variants, trained briefly on ``cfg.fp_task`` when the study module exists."""
+    """The recall variants, trained briefly on ``cfg.fp_task``."""
     size = dict(seq_len=cfg.fp_seq_len, d_model=cfg.fp_d_model, n_heads=4, R=cfg.fp_R)
-    try:
-        from loopprobe import fixedpoint_study as study
-    except ImportError:
-        gen = torch.Generator().manual_seed(10_000)
-        idx = tasks.random_tokens(1, cfg.fp_seq_len, cfg.vocab_size, gen)[0]
-        fp_cfg = dataclasses.replace(cfg, seq_len=cfg.fp_seq_len, d_model=cfg.fp_d_model)
-        models = [
-            (
-                _variant(r, on),
-                _gpt(fp_cfg, K=1, R=cfg.fp_R, n_heads=4, norm="pre", recall=r, outer_norm=on),
-            )
-            for r, on in cfg.fp_variants
-        ]
-        return models, idx, "untrained (loopprobe.fixedpoint_study is not available)"
     models = []
     for r, on in cfg.fp_variants:
         model, _ = study.train(cfg.fp_task, r, on, seed=cfg.seed, steps=cfg.fp_train_steps, **size)
@@ -49,7 +40,6 @@ def _variant(recall: str, outer_norm: bool) -> str:
 
 def fixedpoint_section(ctx: Context) -> Result:
     """Reachability, ρ(∂T/∂h), ‖∂T/∂h‖ and ‖dh*/dx‖ of one round, per recall variant."""
-    fpm = _need("loopprobe.fixedpoint", 5)
     cfg = ctx.cfg
     if ctx.user is not None:
         m = ctx.user.model
@@ -65,7 +55,7 @@ def fixedpoint_section(ctx: Context) -> Result:
         models, idx, how = _fixedpoint_models(cfg)
     traces, eig, rows = [], [], []
     for name, model in tqdm(models, desc="fixed points", disable=not ctx.progress, leave=False):
-        row, trace, ev = _probe_round(fpm, name, model.double(), idx, cfg)
+        row, trace, ev = _probe_round(name, model.double(), idx, cfg)
         rows.append(row)
         traces.append(trace)
         eig.append(ev)
@@ -105,12 +95,12 @@ def fixedpoint_section(ctx: Context) -> Result:
     )
 
 
-def _probe_round(fpm: Any, name: str, model: nn.Module, idx: torch.Tensor, cfg: ReportConfig):
+def _probe_round(name: str, model: nn.Module, idx: torch.Tensor, cfg: ReportConfig):
     """One variant: Picard and Anderson traces, spectrum, norm, input-dependence, R rounds."""
-    rm = fpm.round_map(model, idx)
+    rm = round_map(model, idx)
     gen = torch.Generator().manual_seed(cfg.seed)
     runs = {
-        meth: fpm.fixed_point(rm.T, rm.h0, tol=1e-6, max_iter=cfg.fp_max_iter, method=meth)
+        meth: fixed_point(rm.T, rm.h0, tol=1e-6, max_iter=cfg.fp_max_iter, method=meth)
         for meth in ("picard", "anderson")
     }
     fp = runs["picard"] if runs["picard"].converged else runs["anderson"]
@@ -118,8 +108,8 @@ def _probe_round(fpm: Any, name: str, model: nn.Module, idx: torch.Tensor, cfg: 
         [run.to_frame().assign(variant=f"{name} ({meth})") for meth, run in runs.items()],
         ignore_index=True,
     )
-    sr = fpm.spectral_radius(rm.T, fp.h, k=6, generator=gen)
-    jn = fpm.jacobian_norm(rm.T, fp.h, generator=gen, max_iter=50, tol=1e-6)
+    sr = spectral_radius(rm.T, fp.h, k=6, generator=gen)
+    jn = jacobian_norm(rm.T, fp.h, generator=gen, max_iter=50, tol=1e-6)
     row = {
         "variant": name,
         "converged": fp.converged,
@@ -131,7 +121,7 @@ def _probe_round(fpm: Any, name: str, model: nn.Module, idx: torch.Tensor, cfg: 
         "‖∂T/∂h‖": jn.value,
     }
     if fp.converged:
-        dep = fpm.input_dependence(
+        dep = input_dependence(
             rm.step,
             fp.h,
             rm.x,
@@ -149,7 +139,7 @@ def _probe_round(fpm: Any, name: str, model: nn.Module, idx: torch.Tensor, cfg: 
             }
         )
     if rm.rounds is not None:
-        rr = fpm.round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
+        rr = round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
         row.update({"residual after R rounds": rr.residual, "distance to h*": rr.distance})
     row["reason"] = fp.reason
     return row, trace, sr.to_frame().assign(variant=name)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pandas as pd
 
-from loopprobe.report.common import _batch, _gpt, _need, refusal_is_skip
+from loopprobe.estimate.increments import increments
+from loopprobe.experiments.coordcheck import reference_coord_check
+from loopprobe.experiments.growth import reference_growth, start_at_rms
+from loopprobe.report.common import _batch, _gpt, refusal_is_skip
 from loopprobe.report.config import Context, Fig, Result, Skip
 
 _GROWTH_PREDICTION = {
@@ -20,9 +22,8 @@ _GROWTH_PREDICTION = {
 
 def increments_section(ctx: Context) -> Result:
     """Growth of ‖h_N − h_0‖/‖h_0‖ over N per residual rule and tying; increment cosines."""
-    inc = _need("loopprobe.increments", 4)
     if ctx.user is not None:
-        return _increments_user(ctx, inc)
+        return _increments_user(ctx)
     cfg = ctx.cfg
     frames, rows = [], []
     size = dict(
@@ -34,7 +35,7 @@ def increments_section(ctx: Context) -> Result:
     )
     for tying in cfg.tyings:
         for rule in cfg.rules:
-            g = inc.reference_growth(
+            g = reference_growth(
                 tying,
                 rule,
                 Ns=list(cfg.Ns),
@@ -58,7 +59,7 @@ def increments_section(ctx: Context) -> Result:
     summary = pd.DataFrame(rows)
     Nshow = min(8, max(cfg.Ns))
     model = _gpt(cfg, K=1, R=Nshow, norm="pre", residual=cfg.rules[0])
-    one = inc.increments(model, _batch(cfg)[0], forward=inc.start_at_rms(1.0))
+    one = increments(model, _batch(cfg)[0], forward=start_at_rms(1.0))
     cos = one.cosine_frame()
     keep = [
         "tying",
@@ -99,10 +100,10 @@ def increments_section(ctx: Context) -> Result:
     )
 
 
-def _increments_user(ctx: Context, inc: Any) -> Result:
+def _increments_user(ctx: Context) -> Result:
     u = ctx.user
     with refusal_is_skip():
-        one = inc.increments(u.model, u.inputs, forward=u.forward)
+        one = increments(u.model, u.inputs, forward=u.forward)
     groups = one.group_frame()
     return Result(
         frames={"groups": groups, "cosines": one.cosine_frame(), "visits": one.to_frame()},
@@ -128,14 +129,13 @@ def _increments_user(ctx: Context, inc: Any) -> Result:
 
 def coordcheck_section(ctx: Context) -> Result:
     """mup-style coordinate check across N: ‖Δh_N‖ since step 0 per residual rule."""
-    ccm = _need("loopprobe.coordcheck", 4)
     if ctx.user is not None:
         raise Skip(
             "needs a family of models over N (make_model(N, seed)); call "
-            "lp.coord_check(make_model, batch_fn, probe_inputs) from Python"
+            "lp.experiments.coord_check(make_model, batch_fn, probe_inputs) from Python"
         )
     cfg = ctx.cfg
-    cc = ccm.reference_coord_check(
+    cc = reference_coord_check(
         list(cfg.cc_schemes),
         Ns=list(cfg.cc_Ns),
         seeds=list(cfg.seeds[:2]),

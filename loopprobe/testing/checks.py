@@ -22,8 +22,8 @@ from torch import nn
 
 import loopprobe as lp
 from loopprobe._stats import loglog_slope
+from loopprobe.record.types import call_model, seeded
 from loopprobe.testing._family import rebuilder
-from loopprobe.visits import call_model, seeded
 
 
 def _fmt(xs: Sequence[float]) -> str:
@@ -378,7 +378,7 @@ def check_increment_growth(
     increment: str = "auto",
 ) -> np.ndarray:
     """The growth exponent over R of ``||h_R - h_0|| / ||h_0||`` (the forward increments'
-    accumulation, DESIGN.md §3) lies in ``band``. Returns the growth per R."""
+    accumulation, docs/definitions.md §3) lies in ``band``. Returns the growth per R."""
     __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_increment_growth"
     rebuild = rebuilder(model_or_factory, batch, call)
@@ -416,7 +416,7 @@ def check_fixed_point_contracts(
     **replay_kwargs: Any,
 ) -> lp.SpectralRadius:
     """The loop reaches a fixed point ``h* = T(h*)`` from its start and the spectral radius
-    of ``dT/dh`` there is below ``max_rho`` (DESIGN.md §4), both converged.
+    of ``dT/dh`` there is below ``max_rho`` (docs/definitions.md §4), both converged.
 
     ``model`` is a :class:`loopprobe.RoundMap`, or a model with ``module`` naming the
     module that runs one round (:func:`loopprobe.replay_round`)."""

@@ -15,8 +15,8 @@ from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from torch import nn
 
+from loopprobe.record.types import pick_output
 from loopprobe.testing._family import remember
-from loopprobe.visits import pick_output
 
 PROFILES = {
     # derandomised, few examples, shrinking on: the same counterexample on every CI run

@@ -15,8 +15,8 @@ The round map is a callable ``step(h)`` or ``step(h, x)``; :func:`round_map` bui
 from a reference model (``model.step(h, x)`` with ``x = model.embed(idx)``). Norms are
 taken over the whole state tensor (every batch row together).
 
-The round map and JVP plumbing live in :mod:`loopprobe.roundmap`, input-dependence in
-:mod:`loopprobe.implicit`; their names are re-exported here (``loopprobe.fixedpoint.X``).
+The round map and its JVP plumbing are :mod:`loopprobe.differentiate.roundmap`;
+input-dependence is :mod:`loopprobe.estimate.implicit`.
 """
 
 from __future__ import annotations
@@ -29,12 +29,7 @@ import pandas as pd
 import torch
 
 from loopprobe.autodiff import transform_safe
-from loopprobe.implicit import InputDependence, input_dependence  # noqa: F401 - re-export
-from loopprobe.linalg import Estimate, operator_norm
-from loopprobe.roundmap import (  # noqa: F401 - re-exports keep `loopprobe.fixedpoint.X` working
-    _JVP,
-    Map,
-    RoundMap,
+from loopprobe.differentiate.roundmap import (
     Step,
     _apply,
     _bind,
@@ -47,9 +42,8 @@ from loopprobe.roundmap import (  # noqa: F401 - re-exports keep `loopprobe.fixe
     _numpy_op,
     _positive,
     _rel,
-    replay_round,
-    round_map,
 )
+from loopprobe.linalg import Estimate, operator_norm
 
 # ------------------------------------------------------------------------- reachability
 

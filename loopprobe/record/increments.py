@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopprobe.visits import Forward, Probe, Visit, VisitRecord, call_model
+from loopprobe.record.probe import Probe
+from loopprobe.record.types import Forward, Visit, VisitRecord, call_model
 
 IncrementFn = Callable[[VisitRecord], torch.Tensor]
 

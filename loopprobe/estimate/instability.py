@@ -3,12 +3,12 @@
 The Fully Looped Transformer abstract traces looped-training collapse to two sources:
 
 - **gradient oscillation**: per-visit gradients ``G_{r,j}`` (from
-  :func:`loopprobe.updates.per_visit_updates`, one backward) that point in opposite
+  :func:`loopprobe.estimate.updates.per_visit_updates`, one backward) that point in opposite
   directions on consecutive visits, ``cos(G_{r,j}, G_{r+1,j}) < 0``. Flagged per pair
   when the cosine is below ``oscillation_threshold`` (default 0), and per sublayer when
   the mean consecutive cosine is;
 - **residual explosion**: the residual stream growing round after round. The stream RMS
-  ``d^-1/2 ||h||`` after every visit comes from :func:`loopprobe.increments`; a round is
+  ``d^-1/2 ||h||`` after every visit comes from :func:`loopprobe.estimate.increments`; a round is
   flagged when the RMS after it exceeds ``explosion_threshold`` (default 10; seed 004
   reports about 1 under ``1/N``, 8 under ``1/sqrt(N)`` and 60 unscaled at N = 64).
 
@@ -37,9 +37,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from loopprobe.coordcheck import lm_loss
-from loopprobe.updates import per_visit_updates
-from loopprobe.visits import Forward, Probe
+from loopprobe.estimate.updates import per_visit_updates
+from loopprobe.record.probe import Probe
+from loopprobe.record.types import Forward
+from loopprobe.tasks import lm_loss
 
 __all__ = [
     "Instability",
@@ -49,7 +50,7 @@ __all__ = [
     "record_training",
 ]
 
-_inc = importlib.import_module("loopprobe.increments")
+_inc = importlib.import_module("loopprobe.estimate.increments")
 
 
 # --------------------------------------------------------------------------- one check
@@ -114,9 +115,9 @@ def instability(
     """Gradient oscillation and residual explosion of one batch, with flags.
 
     ``loss_fn(output, inputs)`` is the scalar loss (``output`` = ``forward(model,
-    inputs)`` or ``model(inputs)``), as in :func:`loopprobe.updates.per_visit_updates`;
+    inputs)`` or ``model(inputs)``), as in :func:`loopprobe.estimate.updates.per_visit_updates`;
     the per-visit gradients are the raw ``d loss / d delta_{r,j}`` (update ``sgd``). The
-    stream RMS uses :func:`loopprobe.increments` (``model.hidden`` when present, else
+    stream RMS uses :func:`loopprobe.estimate.increments` (``model.hidden`` when present, else
     ``forward``; ``increment=`` as there). Probing leaves the model, its ``.grad`` and its
     mode unchanged. Reference: Fully Looped Transformer abstract; docs/definitions.md §2.
     """
@@ -206,7 +207,7 @@ class InstabilityRecorder:
 
     Call it once per step, before or after the optimizer step::
 
-        rec = lp.InstabilityRecorder(model, every=10, probe_batch=(idx, targets))
+        rec = lp.experiments.InstabilityRecorder(model, every=10, probe_batch=(idx, targets))
         for step in range(steps):
             ...; opt.step()
             rec(step)                       # or rec(step, (inputs, targets))

@@ -11,7 +11,7 @@ under ``1/sqrt(N)`` it moves right with N.
 
 Example::
 
-    lt = lp.reference_lr_transfer(["1/sqrt(N)", "1/N"], Ns=[1, 2, 4, 8],
+    lt = lp.experiments.reference_lr_transfer(["1/sqrt(N)", "1/N"], Ns=[1, 2, 4, 8],
                                   lrs=[1e-3, 2e-3, 4e-3, 8e-3], steps=200)
     lt.best(); lt.drift(); lt.plot().savefig("lr.png")
 """
@@ -29,8 +29,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from loopprobe.coordcheck import lm_loss, make_optimizer
+from loopprobe.experiments.coordcheck import make_optimizer
 from loopprobe.sweeps import sweep
+from loopprobe.tasks import lm_loss
 
 if TYPE_CHECKING:  # plotting is imported on call (.plot): import stays light
     from matplotlib.figure import Figure

@@ -28,7 +28,8 @@ import pandas as pd
 import torch
 
 from loopprobe._stats import cosine_matrix
-from loopprobe.visits import Forward, Probe, Visit, call_model, seeded
+from loopprobe.record.probe import Probe, first_nonfinite_visit
+from loopprobe.record.types import Forward, Visit, call_model, seeded
 
 LossFn = Any  # Callable[[output, inputs], scalar Tensor]
 
@@ -245,21 +246,6 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
     return Updates(
         visits, names, visible, norms, tied, method, float(loss.detach()), history, memory="low"
     )
-
-
-def first_nonfinite_visit(
-    probe: Probe, inputs: Any, forward: Forward | None = None, seed: int | None = 0
-) -> str:
-    """A sentence naming the first visit whose output is NaN/inf (for error messages)."""
-    rec = probe.record(inputs, forward=forward, seed=seed)
-    for v in rec.visits:
-        outs = v.output if isinstance(v.output, tuple | list) else (v.output,)
-        if any(isinstance(o, torch.Tensor) and not torch.isfinite(o).all() for o in outs):
-            return (
-                f"the first non-finite value appears in the output of visit r={v.r} of "
-                f"sublayer {v.sublayer!r} (module {v.module!r}, execution index {v.i})"
-            )
-    return "no visit output is non-finite (it appears outside the looped sublayers)"
 
 
 # --------------------------------------------------------------------------- optimizers

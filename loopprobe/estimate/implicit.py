@@ -2,8 +2,8 @@
 
 At ``h* = T(h*, x)``, ``dh*/dx = (I - dT/dh)^{-1} dT/dx``; :func:`input_dependence` gets
 its operator norm from GMRES solves on JVPs/VJPs, next to the derivative of the unrolled
-R rounds. Reached states come from :func:`loopprobe.fixedpoint.fixed_point`; the round
-map and JVP plumbing from :mod:`loopprobe.roundmap`. Reference: docs/definitions.md §4.
+R rounds. Reached states come from :func:`loopprobe.estimate.fixedpoint.fixed_point`; the round
+map and JVP plumbing from :mod:`loopprobe.differentiate.roundmap`. Reference: docs/definitions.md §4.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import pandas as pd
 import torch
 
 from loopprobe.autodiff import transform_safe
-from loopprobe.linalg import Estimate, operator_norm
-from loopprobe.roundmap import (
+from loopprobe.differentiate.roundmap import (
     Step,
     _check_same,
     _check_state,
@@ -28,6 +27,7 @@ from loopprobe.roundmap import (
     _norm,
     _numpy_op,
 )
+from loopprobe.linalg import Estimate, operator_norm
 
 
 @dataclass(frozen=True)

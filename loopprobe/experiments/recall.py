@@ -24,8 +24,15 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from loopprobe import fixedpoint as fpm
 from loopprobe import tasks
+from loopprobe.differentiate.roundmap import round_map
+from loopprobe.estimate.fixedpoint import (
+    fixed_point,
+    jacobian_norm,
+    round_residuals,
+    spectral_radius,
+)
+from loopprobe.estimate.implicit import input_dependence
 from loopprobe.models import GPTConfig, LoopedGPT
 
 RECALLS = ("none", "add", "linear", "internal")
@@ -92,14 +99,14 @@ def probe(
     iteration did not converge (the unrolled one is always measured).
     ``rounds_residual`` is ``||T(h_R) - h_R|| / ||h_R||`` after the model's own R rounds.
     """
-    rm = fpm.round_map(model, idx)
-    fp = fpm.fixed_point(rm.T, rm.h0, tol=tol, max_iter=max_iter)
+    rm = round_map(model, idx)
+    fp = fixed_point(rm.T, rm.h0, tol=tol, max_iter=max_iter)
     gen = torch.Generator().manual_seed(seed)
-    sr = fpm.spectral_radius(rm.T, fp.h, k=k, generator=gen)
-    jn = fpm.jacobian_norm(rm.T, fp.h, generator=gen, tol=norm_tol)
-    dep = fpm.input_dependence(rm.step, fp.h, rm.x, rounds=rm.rounds, norm_tol=norm_tol,
+    sr = spectral_radius(rm.T, fp.h, k=k, generator=gen)
+    jn = jacobian_norm(rm.T, fp.h, generator=gen, tol=norm_tol)
+    dep = input_dependence(rm.step, fp.h, rm.x, rounds=rm.rounds, norm_tol=norm_tol,
                                tol=solve_tol, implicit=fp.converged, generator=gen)  # fmt: skip
-    rr = fpm.round_residuals(rm.T, rm.h0, rm.rounds)
+    rr = round_residuals(rm.T, rm.h0, rm.rounds)
     return {
         "converged": fp.converged,
         "iterations": fp.iterations,

@@ -21,7 +21,7 @@ Recording API (stable; other modules build on it)::
 ``forward=lambda m, x: m.hidden(x)``); ``output(out)`` picks the tensor F from the result.
 
 Discovery (when neither ``sublayers=`` nor ``model.loopprobe_sublayers`` names them) is
-:mod:`loopprobe.discover`: one forward (under the caller's ``seed``) records every call of
+:mod:`loopprobe.record.discover`: one forward (under the caller's ``seed``) records every call of
 a module that owns parameters and which earlier calls its inputs were computed from;
 modules with the same parameter set form a group; reused groups whose visits chain (the
 output of visit r feeds visit r+1) are the loop, preferred over an outer pass that is
@@ -36,140 +36,31 @@ Reference: seed 002, Eq. 11-12 (visits), Eq. 17-18 (M and M_g).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
 import torch
 from torch import nn
 
-from loopprobe import discover
-from loopprobe.autodiff import in_backward, transform_safe
-from loopprobe.discover import is_glob as _is_glob  # noqa: F401 (old private names)
-from loopprobe.discover import match as _match
-
-Forward = Callable[[nn.Module, Any], Any]
-Output = Callable[[Any], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Sublayer:
-    """One physical sublayer: a parameter group and the module instance(s) that use it.
-
-    ``role``: ``body`` (the loop), ``head``, ``norm``, ``embedding`` or ``other`` (reuse
-    that is not recurrence); ``role_reason`` gives the evidence (see loopprobe.discover).
-    """
-
-    name: str
-    index: int
-    modules: tuple[str, ...]
-    param_names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    numel: int
-    role: str = "body"
-    role_reason: str = "named by the user"
-
-
-@dataclass(frozen=True)
-class Visit:
-    """Visit ``r`` of sublayer ``j`` (global execution index ``i`` among all visits)."""
-
-    i: int
-    j: int
-    r: int
-    sublayer: str
-    module: str
-    grad_enabled: bool
-    grad_visible: bool | None = None
-
-
-@dataclass
-class VisitRecord:
-    """A visit with detached copies of its call arguments and of its output."""
-
-    visit: Visit
-    args: tuple
-    kwargs: dict
-    output: Any
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "visit":
-            raise AttributeError(name)
-        return getattr(self.visit, name)
-
-
-@dataclass
-class Recording:
-    """All visits of one forward pass, in execution order, plus the model output."""
-
-    visits: list[VisitRecord]
-    output: Any
-    sublayers: list[Sublayer] = field(default_factory=list)
-
-    def to_frame(self) -> pd.DataFrame:
-        rows = []
-        for v in self.visits:
-            out = v.output if isinstance(v.output, torch.Tensor) else None
-            rows.append(
-                {
-                    "i": v.i,
-                    "sublayer": v.sublayer,
-                    "j": v.j,
-                    "r": v.r,
-                    "module": v.module,
-                    "grad_enabled": v.grad_enabled,
-                    "output_norm": float(out.norm()) if out is not None else float("nan"),
-                }
-            )
-        return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) -> Any:
-    """``forward(model, inputs)`` if given, else ``model(*inputs)`` / ``model(inputs)``."""
-    if forward is not None:
-        return forward(model, inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
-HF_OUTPUTS = ("logits", "last_hidden_state")
-
-
-def pick_output(out: Any, output: Output | None = None, *, call: str = "probe") -> torch.Tensor:
-    """The tensor F: ``output(out)`` if given, else ``out`` itself when it is a tensor, else
-    the ``.logits`` (or, without logits, ``.last_hidden_state``) of a Hugging Face output."""
-    F = output(out) if output is not None else out
-    if output is None and not isinstance(F, torch.Tensor):
-        F = next((getattr(F, k) for k in HF_OUTPUTS if getattr(F, k, None) is not None), F)
-    if not isinstance(F, torch.Tensor):
-        raise TypeError(
-            f"{call}: the model output is a {type(F).__name__}, not a tensor; pass "
-            "output=lambda out: out[...] (or forward=) to pick the tensor F"
-        )
-    return F
-
-
-def copy_tree(x: Any) -> Any:
-    """Detached clones of every tensor in nested tuples/lists/dicts (other leaves as is)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, tuple):
-        return tuple(copy_tree(v) for v in x)
-    if isinstance(x, list):
-        return [copy_tree(v) for v in x]
-    if isinstance(x, dict):
-        return {k: copy_tree(v) for k, v in x.items()}
-    return x
-
-
-# --------------------------------------------------------------------------- the probe
+from loopprobe.record import discover
+from loopprobe.record.session import Group, device_of, restored, session
+from loopprobe.record.types import (
+    Forward,
+    Output,
+    Recording,
+    Sublayer,
+    Trace,
+    Visit,
+    VisitRecord,
+    call_model,
+    copy_tree,
+    pick_output,
+    seeded,
+)
 
 
 class Probe:
@@ -193,7 +84,7 @@ class Probe:
         self.model = model
         self._requested = list(sublayers) if sublayers is not None else None
         self._exclude = list(exclude or [])
-        self._groups: list[_Group] | None = None
+        self._groups: list[Group] | None = None
         self._closed = False
         self._last_outside: list[tuple[int, str]] = []
         self._owners: list | None = None
@@ -225,7 +116,7 @@ class Probe:
 
     def _ensure_groups(
         self, inputs: Any, forward: Forward | None, call: str, seed: int | None = 0
-    ) -> list[_Group]:
+    ) -> list[Group]:
         self._check_open(call)
         if self._groups is None:
             _warn_partial_ties(self.model, call)
@@ -242,17 +133,17 @@ class Probe:
             self._groups = [g.renumbered(j) for j, g in enumerate(groups)]
         return self._groups
 
-    def _groups_from_names(self, names: list[str], call: str) -> list[_Group]:
+    def _groups_from_names(self, names: list[str], call: str) -> list[Group]:
         all_modules = dict(self.model.named_modules())
         units = discover.groups_from_names(self.model, names, call)
         return [self._make_group(u, all_modules) for u in units]
 
     def _discover(
         self, inputs: Any, forward: Forward | None, call: str, seed: int | None = 0
-    ) -> list[_Group]:
+    ) -> list[Group]:
         all_modules = dict(self.model.named_modules())
         owners = {n: m for n, m in all_modules.items() if any(True for _ in m.parameters())}
-        device = _device_of(self.model)
+        device = device_of(self.model)
         cuda = [device.index or 0] if device.type == "cuda" else []
 
         def run() -> None:
@@ -260,7 +151,7 @@ class Probe:
             with torch.random.fork_rng(devices=cuda), seeded(seed, device), torch.no_grad():
                 call_model(self.model, inputs, forward)
 
-        with _restored(self.model):
+        with restored(self.model):
             calls = discover.record_calls(owners, run)
         found = discover.find_sublayers(calls)
         if not found:
@@ -280,7 +171,7 @@ class Probe:
         all_modules: dict[str, nn.Module],
         role: str = "body",
         reason: str = "named by the user",
-    ) -> _Group:
+    ) -> Group:
         rep = all_modules[names[0]]
         params = [p for _, p in rep.named_parameters()]
         index = {id(p): k for k, p in enumerate(params)}
@@ -302,11 +193,11 @@ class Probe:
             role=role,
             role_reason=reason,
         )
-        return _Group(sub, params, [all_modules[n] for n in names], places)
+        return Group(sub, params, [all_modules[n] for n in names], places)
 
-    def _apply_exclude(self, groups: list[_Group], call: str) -> list[_Group]:
+    def _apply_exclude(self, groups: list[Group], call: str) -> list[Group]:
         for pat in self._exclude:
-            if not any(_match(pat, n) for g in groups for n in g.sublayer.modules):
+            if not any(discover.match(pat, n) for g in groups for n in g.sublayer.modules):
                 raise ValueError(
                     f"{call}: exclude pattern {pat!r} matches no sublayer; sublayers are "
                     f"{[g.sublayer.name for g in groups]}"
@@ -314,14 +205,19 @@ class Probe:
         kept = [
             g
             for g in groups
-            if not any(_match(p, n) for p in self._exclude for n in g.sublayer.modules)
+            if not any(discover.match(p, n) for p in self._exclude for n in g.sublayer.modules)
         ]
         if not kept:
             raise ValueError(f"{call}: exclude={self._exclude} removed every sublayer")
         return kept
 
-    # -- sessions ----------------------------------------------------------------
-    @contextmanager
+    def groups(
+        self, inputs: Any = None, forward: Forward | None = None, *, seed: int | None = 0
+    ) -> list[Group]:
+        """Sublayers with their live parameter tensors (for the estimators)."""
+        return self._ensure_groups(inputs, forward, "Probe.groups", seed)
+
+    # -- the hook session -------------------------------------------------------
     def session(
         self,
         enter: Callable[[Visit, nn.Module, tuple, dict], Sequence[torch.Tensor] | None]
@@ -329,105 +225,17 @@ class Probe:
         leave: Callable[[Visit, tuple, dict, Any], None] | None = None,
         *,
         call: str = "probe",
-    ) -> Iterator[Trace]:
-        """Hooks on every sublayer module for the duration of the ``with`` block.
-
-        At each visit ``enter(visit, module, args, kwargs)`` may return one tensor per
-        sublayer parameter; the module then computes with those tensors in place of its
-        parameters for this call only (as ``torch.func.functional_call`` does) and gets its
-        own parameters back when the call returns or raises. ``leave(visit, args, kwargs,
-        output)`` sees the output. Yields a :class:`Trace` filled in as the forward runs.
-        Model state (parameters, buffers, train/eval mode) is restored on exit. Inside the
-        block, fused attention and activation checkpointing are made transform-safe
-        (:func:`loopprobe.autodiff.transform_safe`): same values, every visit counted once.
-        """
+    ) -> contextlib.AbstractContextManager[Trace]:
+        """Hooks on every sublayer for one ``with`` block: :func:`loopprobe.record.session.session`
+        on this probe's sublayers (``enter`` may swap a visit's parameters, ``leave`` sees
+        its output)."""
         groups = self._ensure_groups(None, None, call)
-        trace = Trace([], [])
-        counts = [0] * len(groups)
-        inside = [0] * len(groups)
-        active: dict[int, list[tuple[Visit, list]]] = {}
-        handles = []
-
-        def pre_hook(j: int, g: _Group, slot: int) -> Callable:
-            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-                if in_backward():
-                    raise RuntimeError(
-                        f"{call}: module {g.sublayer.modules[slot]!r} was called during a "
-                        "backward pass: activation checkpointing other than "
-                        "torch.utils.checkpoint recomputes it, and a recomputed call cannot be "
-                        "told from a new visit. Turn that checkpointing off while probing "
-                        "(e.g. model.gradient_checkpointing_disable())"
-                    )
-                v = Visit(
-                    i=len(trace.visits),
-                    j=j,
-                    r=counts[j],
-                    sublayer=g.sublayer.name,
-                    module=g.sublayer.modules[slot],
-                    grad_enabled=torch.is_grad_enabled(),
-                )
-                counts[j] += 1
-                inside[j] += 1
-                trace.visits.append(v)
-                saved: list = []
-                new = enter(v, module, args, kwargs) if enter is not None else None
-                if new is not None:
-                    for owner, pname, k in g.places[slot]:
-                        saved.append((owner, pname, owner._parameters[pname]))
-                        owner._parameters[pname] = new[k]
-                active.setdefault(id(module), []).append((v, saved))
-
-            return hook
-
-        def post_hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            stack = active.get(id(module))
-            if not stack:
-                return
-            v, saved = stack.pop()
-            inside[v.j] -= 1
-            for owner, pname, p in reversed(saved):
-                owner._parameters[pname] = p
-            if leave is not None:
-                leave(v, args, kwargs, out)
-
-        def owner_hook(j: int, name: str) -> Callable:
-            def hook(module: nn.Module, args: tuple) -> None:
-                if inside[j] == 0:
-                    trace.outside.append((j, name))
-
-            return hook
-
         if self._owners is None:
             names = {id(m): n for n, m in self.model.named_modules()}
             self._owners = [
                 [(o, names.get(id(o), "?")) for o in g.owners(self.model)] for g in groups
             ]
-        with _restored(self.model), transform_safe():
-            try:
-                for j, g in enumerate(groups):
-                    for slot, m in enumerate(g.modules):
-                        handles.append(
-                            m.register_forward_pre_hook(pre_hook(j, g, slot), with_kwargs=True)
-                        )
-                        handles.append(
-                            m.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
-                        )
-                    for owner, oname in self._owners[j]:
-                        handles.append(owner.register_forward_pre_hook(owner_hook(j, oname)))
-                yield trace
-            finally:
-                for h in handles:
-                    h.remove()
-                for stack in active.values():
-                    for _, saved in reversed(stack):
-                        for owner, pname, p in reversed(saved):
-                            owner._parameters[pname] = p
-
-    def groups(
-        self, inputs: Any = None, forward: Forward | None = None, *, seed: int | None = 0
-    ) -> list[_Group]:
-        """Sublayers with their live parameter tensors (for the estimators)."""
-        return self._ensure_groups(inputs, forward, "Probe.groups", seed)
+        return session(self.model, groups, self._owners, enter, leave, call=call)
 
     # -- public measurements -----------------------------------------------------
     def visits(
@@ -455,7 +263,7 @@ class Probe:
             leaves.append(new)
             return new
 
-        device = _device_of(self.model)
+        device = device_of(self.model)
         with (
             torch.enable_grad(),
             seeded(seed, device),
@@ -476,7 +284,7 @@ class Probe:
                     seen[a] = any(_nonzero(gr) for gr in grads[n : n + len(ts)])
                     n += len(ts)
         self._last_outside = trace.outside
-        return [_replace(v, grad_visible=s) for v, s in zip(trace.visits, seen, strict=True)]
+        return [replace(v, grad_visible=s) for v, s in zip(trace.visits, seen, strict=True)]
 
     def visit_table(
         self,
@@ -491,7 +299,7 @@ class Probe:
         ``role``: see :class:`Sublayer`. ``nested_in``: the body sublayers (comma-joined)
         of the loop this one's visits run inside (HRM: the L blocks run inside the H
         cycle), ``steps_per_outer`` visits per visit of it; empty when not nested (see
-        :func:`loopprobe.discover.nesting`).
+        :func:`loopprobe.record.discover.nesting`).
 
         ``df.attrs`` holds the totals ``M`` (forward-visible visits) and ``M_g``
         (gradient-visible visits), both measured, and ``M_formula``/``M_g_formula`` from
@@ -553,75 +361,29 @@ class Probe:
         def leave(v: Visit, args: tuple, kwargs: dict, out: Any) -> None:
             records.append(VisitRecord(v, keep(args), keep(kwargs), keep(out)))
 
-        with seeded(seed, _device_of(self.model)), self.session(None, leave, call="Probe.record"):
+        with seeded(seed, device_of(self.model)), self.session(None, leave, call="Probe.record"):
             out = call_model(self.model, inputs, forward)
         records.sort(key=lambda rec: rec.visit.i)
         return Recording(records, keep(out), self.sublayers())
 
 
-@dataclass
-class Trace:
-    """What a :meth:`Probe.session` saw: the visits, and calls of modules owning a
-    sublayer's parameters outside any visit of it (uses the per-visit offsets miss)."""
-
-    visits: list[Visit]
-    outside: list[tuple[int, str]]
-
-
-@dataclass
-class _Group:
-    sublayer: Sublayer
-    params: list[torch.Tensor]
-    modules: list[nn.Module]
-    places: list[list[tuple[nn.Module, str, int]]]
-
-    def owners(self, model: nn.Module) -> list[nn.Module]:
-        """Every module in ``model`` that directly holds one of this group's parameters."""
-        ids = {id(p) for p in self.params}
-        return [
-            m
-            for m in model.modules()
-            if any(p is not None and id(p) in ids for p in m._parameters.values())
-        ]
-
-    def renumbered(self, j: int) -> _Group:
-        return _Group(_replace(self.sublayer, index=j), self.params, self.modules, self.places)
-
-
-# --------------------------------------------------------------------------- internals
-
-
-@contextmanager
-def seeded(seed: int | None, device: torch.device | None = None) -> Iterator[None]:
-    """Run the block with torch's RNG at ``seed`` and put the caller's RNG state back.
-
-    Every function evaluation of one estimate runs under the same seed, so dropout and
-    other torch randomness draw the same sample for every derivative. ``None``: no-op.
-    """
-    if seed is None:
-        yield
-        return
-    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda):
-        torch.default_generator.manual_seed(seed)
-        for idx in cuda:
-            torch.cuda.default_generators[idx].manual_seed(seed)
-        yield
-
-
-def _replace(obj: Any, **changes: Any) -> Any:
-    from dataclasses import replace
-
-    return replace(obj, **changes)
+def first_nonfinite_visit(
+    probe: Probe, inputs: Any, forward: Forward | None = None, seed: int | None = 0
+) -> str:
+    """A sentence naming the first visit whose output is NaN/inf (for error messages)."""
+    rec = probe.record(inputs, forward=forward, seed=seed)
+    for v in rec.visits:
+        outs = v.output if isinstance(v.output, tuple | list) else (v.output,)
+        if any(isinstance(o, torch.Tensor) and not torch.isfinite(o).all() for o in outs):
+            return (
+                f"the first non-finite value appears in the output of visit r={v.r} of "
+                f"sublayer {v.sublayer!r} (module {v.module!r}, execution index {v.i})"
+            )
+    return "no visit output is non-finite (it appears outside the looped sublayers)"
 
 
 def _nonzero(grad: torch.Tensor | None) -> bool:
     return grad is not None and bool(grad.ne(0).any())
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
 
 
 def _warn_partial_ties(model: nn.Module, call: str) -> None:
@@ -642,31 +404,23 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-@contextmanager
-def _restored(model: nn.Module) -> Iterator[None]:
-    """Put back train/eval flags and buffer values (e.g. BatchNorm running stats).
+def attach(
+    model: nn.Module,
+    sublayers: Sequence[str] | None = None,
+    *,
+    exclude: Sequence[str] | None = None,
+) -> Probe:
+    """Attach a :class:`Probe` to ``model`` without changing its code.
 
-    Inside the block, train-mode BatchNorm layers run without running statistics: the
-    output is the same (train mode normalises with batch statistics), nothing is
-    updated, and torch.func transforms do not trip over in-place buffer updates.
+    ``sublayers``: module names or dotted globs (``"blocks.*.attn"``; ``*`` is one path
+    segment, ``**`` several). Modules that hold the same parameter objects are one physical
+    sublayer. Default: ``model.loopprobe_sublayers`` if present, else discovery from the
+    first forward (see :mod:`loopprobe.record.discover`). ``exclude``: patterns removed from the list.
+
+    Example::
+
+        with lp.attach(model) as probe:
+            print(probe.visit_table(idx))
+            rep = lp.visit_alignment(probe, idx, loss_fn)
     """
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    stats = []
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-            for key in ("running_mean", "running_var", "num_batches_tracked"):
-                if m._buffers.get(key) is not None:
-                    stats.append((m, key, m._buffers[key]))
-                    m._buffers[key] = None
-    try:
-        yield
-    finally:
-        for m, key, b in stats:
-            m._buffers[key] = b
-        for m, mode in modes:
-            m.training = mode
-        with torch.no_grad():
-            for b, saved in buffers:
-                if not torch.equal(b, saved):
-                    b.copy_(saved)
+    return Probe(model, sublayers, exclude)

@@ -19,7 +19,7 @@ Reference: docs/definitions.md §5; seed 004 (Loop-muP abstract); microsoft/mup 
 
 Example::
 
-    cc = lp.reference_coord_check(["pre:1/sqrt(N)", "pre:1/N"], Ns=[1, 2, 4, 8])
+    cc = lp.experiments.reference_coord_check(["pre:1/sqrt(N)", "pre:1/N"], Ns=[1, 2, 4, 8])
     cc.flatness()                                     # log-log slope over N per group
     cc.plot("pre:1/N", "state_change").savefig("cc.png")
 """
@@ -35,26 +35,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loopprobe._stats import loglog_slope
+from loopprobe.record.probe import Probe
+from loopprobe.record.types import Forward
 from loopprobe.sweeps import grid, sweep
-from loopprobe.visits import Forward, Probe
+from loopprobe.tasks import lm_loss
+from loopprobe.theory import COORD_QUANTITIES, SCHEMES
 
 if TYPE_CHECKING:  # plotting is imported on call (.plot): import stays light
     from matplotlib.figure import Figure
 
 __all__ = ["CoordCheck", "coord_check", "reference_coord_check", "make_optimizer"]
 
-QUANTITIES = ("increment", "increment_change", "state", "state_change")
+QUANTITIES = COORD_QUANTITIES
 BatchFn = Callable[[int, torch.Generator], tuple[Any, torch.Tensor]]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy of ``(B, T, V)`` logits against ``(B, T)`` targets."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
@@ -330,8 +327,6 @@ def _check(call: str, Ns: Sequence[int], seeds: Sequence[int], steps: int, lr: f
 
 
 # --------------------------------------------------------------------------- reference
-
-SCHEMES = ("pre:none", "pre:1/sqrt(N)", "pre:1/N", "pre:loop-mup", "post", "deepnorm", "deeploop")
 
 
 def parse_scheme(spec: str) -> tuple[str, str]:

@@ -29,14 +29,14 @@ Example::
 
     inc = lp.increments(model, idx)                  # model.hidden is used as h_N if present
     inc.group_frame()                                # mean_offdiag_cos, ratio per sublayer
-    g = lp.reference_growth("tied", "1/sqrt(N)")     # slope ~ 0.5, regime named
+    g = lp.experiments.reference_growth("tied", "1/sqrt(N)")     # slope ~ 0.5, regime named
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,22 +46,15 @@ import torch
 from torch import nn
 
 from loopprobe._checks import Trust
-from loopprobe._increment_record import Collector, IncrementFn, caller_rng, refuse_routing
-from loopprobe._stats import cosine_matrix, loglog_slope
-from loopprobe.sweeps import grid, sweep
-from loopprobe.visits import Forward, Probe, Visit, VisitRecord
+from loopprobe._stats import cosine_matrix
+from loopprobe.record.increments import Collector, IncrementFn, caller_rng, refuse_routing
+from loopprobe.record.probe import Probe
+from loopprobe.record.types import Forward, Visit, VisitRecord
 
 if TYPE_CHECKING:  # plotting is imported on call (.heatmap, .plot): import stays light
     from matplotlib.figure import Figure
 
-__all__ = [
-    "Growth",
-    "Increments",
-    "growth_sweep",
-    "increments",
-    "reference_growth",
-    "regime_name",
-]
+__all__ = ["Increments", "increments"]
 
 GROUPINGS = ("auto", "sublayer", "role")
 MODES = ("auto", "output", "delta")
@@ -232,32 +225,13 @@ class Increments(Trust):
 
     def stream_plot(self) -> Figure:
         """Line plot: stream RMS after each visit (execution order), a marker per group."""
+        from loopprobe.plots import stream_plot
+
         return stream_plot(self.to_frame())
 
 
 def _converged_line(converged: bool, reason: str) -> str:
     return "converged: yes" if converged else f"converged: NO ({reason})"
-
-
-def stream_plot(df: pd.DataFrame, *, x: str = "i", y: str = "stream_rms") -> Figure:
-    """Stream RMS ``d^-1/2 ||h||`` after every visit against the visit index (log y).
-
-    Columns: ``x`` (execution index), ``y`` (stream RMS), ``group`` (marker colour).
-    Growth across visits is the residual explosion of the Fully Looped Transformer
-    abstract. Reference: docs/definitions.md §3.
-    """
-    import seaborn as sns
-    from matplotlib.figure import Figure
-
-    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
-        fig = Figure(figsize=(5.0, 3.6), layout="constrained")
-        ax = fig.subplots()
-    ax.plot(df[x], df[y], color="0.5", linewidth=1.0)
-    sns.scatterplot(data=df, x=x, y=y, hue="group", ax=ax, s=25, palette="colorblind")
-    ax.set_yscale("log")
-    ax.set(xlabel="visit (execution order)", ylabel="stream RMS after visit")
-    ax.set_title("Residual stream RMS per visit")
-    return fig
 
 
 # --------------------------------------------------------------------------- measuring
@@ -424,331 +398,3 @@ def _offdiag_mean(c: np.ndarray) -> float:
 
 def _rms(t: torch.Tensor) -> float:
     return float(t.double().pow(2).mean().sqrt())
-
-
-# --------------------------------------------------------------------------- regimes
-
-_SLOPES = {1.0: "linear", 0.5: "sqrt(N)", 0.0: "flat", -0.5: "1/sqrt(N)"}
-
-
-def regime_name(slope: float, cos: float, *, tol: float = 0.15) -> str:
-    """Name the growth regime from the log-log slope and the mean off-diagonal cosine.
-
-    Growth: the nearest of 1 (linear), 1/2 (``sqrt(N)``), 0 (flat), -1/2 (``1/sqrt(N)``)
-    within ``tol``, else "between". Correlation: ``cos >= 0.5`` correlated, ``|cos| <= 0.2``
-    uncorrelated, else partly correlated. The combinations the theory names:
-    correlated + sqrt(N) = a shared block under depth-muP ``1/sqrt(N)`` (under-scaled);
-    correlated + flat = loop-scaled (``1/N``); uncorrelated + flat = depth-scaled untied
-    stack (``1/sqrt(N)``); uncorrelated + 1/sqrt(N) = over-damped (``1/N`` on untied
-    depth); linear = unscaled correlated increments. Reference: docs/definitions.md §3, seed 004.
-    """
-    if not math.isfinite(slope):
-        return "undetermined (no finite growth slope)"
-    near = min(_SLOPES, key=lambda s: abs(slope - s))
-    growth = f"grows like {_SLOPES[near]}" if abs(slope - near) <= tol else "between regimes"
-    if near == 0.0 and abs(slope) <= tol:
-        growth = "flat"
-    if near == -0.5 and abs(slope - near) <= tol:
-        growth = "shrinks like 1/sqrt(N)"
-    if not math.isfinite(cos):
-        corr = "correlation unknown"
-    elif cos >= 0.5:
-        corr = "correlated"
-    elif abs(cos) <= 0.2:
-        corr = "uncorrelated"
-    else:
-        corr = "partly correlated"
-    meaning = {
-        ("correlated", "grows like sqrt(N)"): "shared block under-scaled (1/sqrt(N) on a loop)",
-        ("correlated", "flat"): "loop-scaled (1/N on a shared block)",
-        ("correlated", "grows like linear"): "unscaled shared block",
-        ("uncorrelated", "flat"): "depth-scaled (1/sqrt(N) on untied depth)",
-        ("uncorrelated", "shrinks like 1/sqrt(N)"): "over-damped (1/N on untied depth)",
-        ("uncorrelated", "grows like sqrt(N)"): "unscaled untied depth (random walk)",
-    }.get((corr, growth))
-    name = f"{corr}, {growth}"
-    return f"{name}: {meaning}" if meaning else name
-
-
-# --------------------------------------------------------------------------- growth sweeps
-
-
-@dataclass
-class Growth(Trust):
-    """A growth sweep: rows per (N, seed), the fitted log-log slope and the named regime.
-
-    ``slope`` is the least-squares slope of ``log growth`` on ``log N`` over every
-    finite row (seeds pooled); ``slope_per_seed`` fits each seed alone.
-    ``mean_offdiag_cos`` and ``mean_ratio`` are the seed means at the largest N.
-    ``converged`` is True when every cell ran, is finite and converged, all cells measure
-    growth the same way, every slope is defined and the regime has a name; ``reason``
-    says what is not ("" when converged).
-    """
-
-    rows: pd.DataFrame
-    slope: float
-    slope_per_seed: dict
-    mean_offdiag_cos: float
-    mean_ratio: float
-    regime: str
-    config: dict = field(default_factory=dict)
-
-    def _not_converged(self) -> list[str]:
-        rows, why = self.rows, []
-        cell = lambda r: f"N={r['N']} seed={r['seed']}"  # noqa: E731
-        bad = rows[rows["diverged"]]
-        if len(bad):
-            first = bad.iloc[0]
-            why.append(
-                f"{len(bad)} of {len(rows)} cells diverged ({cell(first)}: {first['error']})"
-            )
-        if "converged" in rows:
-            weak = rows[~rows["diverged"] & (rows["converged"] != True)]  # noqa: E712
-            why += [f"{cell(r)}: {r['reason']}" for _, r in weak.head(3).iterrows()]
-            if len(weak) > 3:
-                why.append(f"{len(weak) - 3} more cells not converged")
-        measures = rows.loc[~rows["diverged"], "growth_measure"].dropna().unique()
-        if len(measures) > 1:
-            why.append(
-                f"cells measure growth differently ({', '.join(measures)}): one slope over "
-                "them is meaningless"
-            )
-        if not math.isfinite(self.slope):
-            why.append(
-                "the growth slope is undefined (fewer than two N with positive finite growth)"
-            )
-        nan_seeds = [s for s, v in self.slope_per_seed.items() if not math.isfinite(v)]
-        if nan_seeds:
-            why.append(f"the growth slope of seeds {nan_seeds} is undefined")
-        if (
-            self.regime.startswith("undetermined")
-            or "between" in self.regime
-            or "unknown" in self.regime
-        ):
-            why.append(f"the regime is inconclusive ({self.regime})")
-        return why
-
-    def to_frame(self) -> pd.DataFrame:
-        self.rows.attrs.update(self.summary())
-        return self.rows
-
-    def per_N(self) -> pd.DataFrame:
-        """Seed means (and the growth's std) per N, finite rows only."""
-        ok = self.rows[~self.rows["diverged"]]
-        agg = ok.groupby("N").agg(
-            growth=("growth", "mean"),
-            growth_std=("growth", "std"),
-            mean_offdiag_cos=("mean_offdiag_cos", "mean"),
-            mean_ratio=("mean_ratio", "mean"),
-            hN_rms=("hN_rms", "mean"),
-            seeds=("seed", "count"),
-        )
-        return agg.reset_index()
-
-    def summary(self) -> dict:
-        return {
-            **self.config,
-            "growth_slope": self.slope,
-            "growth_slope_per_seed": self.slope_per_seed,
-            "mean_offdiag_cos": self.mean_offdiag_cos,
-            "mean_ratio": self.mean_ratio,
-            "regime": self.regime,
-            "diverged_rows": int(self.rows["diverged"].sum()),
-            "converged": self.converged,
-            "reason": self.reason,
-        }
-
-    def __str__(self) -> str:
-        Ns = sorted(int(n) for n in self.rows["N"].unique())
-        lines = [
-            f"growth slope {self.slope:.3f} over N = {Ns}",
-            f"mean off-diagonal cosine at largest N: {self.mean_offdiag_cos:.3f}",
-            f"regime: {self.regime}",
-            _converged_line(self.converged, self.reason),
-        ]
-        return "\n".join(lines)
-
-    def plot(self, **kw: Any) -> Figure:
-        hue = "residual" if "residual" in self.rows else None
-        style = "tying" if "tying" in self.rows else None
-        from loopprobe import plots
-
-        return plots.increment_growth(self.rows, hue=hue, style=style, **kw)
-
-
-def growth_sweep(
-    make_model: Callable[[int, int], nn.Module],
-    make_inputs: Callable[[int], Any],
-    Ns: Sequence[int] = (1, 2, 4, 8, 16, 32),
-    seeds: Sequence[int] = (0, 1, 2),
-    *,
-    forward: Forward | None = None,
-    increment: str | IncrementFn = "auto",
-    group_by: str = "auto",
-    sublayers: Sequence[str] | None = None,
-    cache_dir: str | None = None,
-    name: str | None = None,
-    progress: bool = False,
-) -> Growth:
-    """Growth of ``||h_N - h_0|| / ||h_0||`` over N at init, its exponent and regime.
-
-    ``make_model(N, seed)`` builds the model at loop count N; ``make_inputs(seed)`` the
-    batch. Each (N, seed) cell runs :func:`increments` through :func:`loopprobe.sweep`, so
-    a cell that raises or gives NaN/inf becomes a row with ``diverged=True`` and the fit
-    skips it. ``cache_dir`` caches cells (then ``name`` must identify the factories).
-    Reference: docs/definitions.md §3.
-    """
-    call = "growth_sweep"
-    Ns, seeds = _positive_ints(call, "Ns", Ns), _ints(call, "seeds", seeds)
-    if cache_dir is not None and name is None:
-        raise ValueError(f"{call}: caching needs name='...' identifying make_model/make_inputs")
-
-    def cell(cfg: dict) -> dict:
-        model = make_model(cfg["N"], cfg["seed"])
-        inc = increments(
-            model,
-            make_inputs(cfg["seed"]),
-            forward=forward,
-            increment=increment,
-            group_by=group_by,
-            sublayers=sublayers,
-            copy=False,
-        )
-        return _row(inc)
-
-    df = sweep(grid(N=Ns, seed=seeds), cell, cache_dir, progress, name=name or f"{call}-cell")
-    return _fit(df, {})
-
-
-def _fit(df: pd.DataFrame, config: dict) -> Growth:
-    for col in ("growth", "mean_offdiag_cos", "mean_ratio", "hN_rms", "growth_measure"):
-        if col not in df:
-            df[col] = math.nan
-    ok = df[~df["diverged"]]
-    slope = loglog_slope(ok["N"], ok["growth"])
-    per_seed = {int(s): loglog_slope(g["N"], g["growth"]) for s, g in ok.groupby("seed")}
-    top = ok[ok["N"] == ok["N"].max()] if len(ok) else ok
-    cos = float(top["mean_offdiag_cos"].mean()) if len(top) else math.nan
-    ratio = float(top["mean_ratio"].mean()) if len(top) else math.nan
-    return Growth(df, slope, per_seed, cos, ratio, regime_name(slope, cos), config)
-
-
-def _ints(call: str, name: str, values: Sequence[int]) -> list[int]:
-    vals = list(values)
-    if not vals or not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
-        raise ValueError(f"{call}: {name} must be a non-empty list of integers, got {values!r}")
-    return vals
-
-
-def _positive_ints(call: str, name: str, values: Sequence[int]) -> list[int]:
-    vals = _ints(call, name, values)
-    if min(vals) < 1:
-        raise ValueError(f"{call}: {name} must be integers >= 1, got {values!r}")
-    return vals
-
-
-# --------------------------------------------------------------------------- reference sweep
-
-TYINGS = ("tied", "untied")
-
-
-def reference_growth(
-    tying: str = "tied",
-    residual: str = "1/N",
-    Ns: Sequence[int] = (1, 2, 4, 8, 16, 32),
-    seeds: Sequence[int] = (0, 1, 2),
-    *,
-    d_model: int = 64,
-    n_heads: int = 4,
-    seq_len: int = 32,
-    batch: int = 8,
-    vocab_size: int = 256,
-    h0_rms: float | None = 1.0,
-    cache_dir: str | None = None,
-    progress: bool = False,
-) -> Growth:
-    """:func:`growth_sweep` on the pre-norm reference :class:`~loopprobe.models.LoopedGPT`.
-
-    ``tying="tied"``: one physical block (K=1) applied for N rounds; ``"untied"``: N
-    distinct blocks applied once. ``residual``: the branch multiplier rule
-    (``none``, ``1/sqrt(N)``, ``1/N``, ``loop-mup``). Inputs are uniform random tokens.
-    ``h0_rms``: the loop starts from the embedding rescaled to this RMS, ``d^-1/2 ||h_0||``
-    (seed 004's init assumption ``||h_0||^2 / d = Theta(1)``); ``None`` keeps the model's
-    own embedding (std 0.02, RMS about 0.03: then a single increment is some twenty times
-    ``h_0`` and the ratio mostly measures the first visit). Reference: docs/definitions.md §3.
-    """
-    call = "reference_growth"
-    if tying not in TYINGS:
-        raise ValueError(f"{call}: tying={tying!r}; choose one of {list(TYINGS)}")
-    if h0_rms is not None and not (isinstance(h0_rms, (int, float)) and h0_rms > 0):
-        raise ValueError(f"{call}: h0_rms={h0_rms!r} must be a positive number or None")
-    Ns, seeds = _positive_ints(call, "Ns", Ns), _ints(call, "seeds", seeds)
-    base = {
-        "tying": tying,
-        "residual": residual,
-        "d_model": d_model,
-        "n_heads": n_heads,
-        "seq_len": seq_len,
-        "batch": batch,
-        "vocab_size": vocab_size,
-        "h0_rms": h0_rms,
-    }
-    _reference_model({**base, "N": 1, "seed": 0})  # validates the config before sweeping
-    df = sweep(
-        grid(**{k: [v] for k, v in base.items()}, N=Ns, seed=seeds),
-        _reference_cell,
-        cache_dir,
-        progress,
-    )
-    return _fit(df, base)
-
-
-def _reference_model(cfg: dict) -> nn.Module:
-    from loopprobe.models import GPTConfig, LoopedGPT
-
-    gcfg = GPTConfig(
-        vocab_size=cfg["vocab_size"],
-        seq_len=cfg["seq_len"],
-        d_model=cfg["d_model"],
-        n_heads=cfg["n_heads"],
-        K=1,
-        R=cfg["N"],
-        norm="pre",
-        residual=cfg["residual"],
-        tied=cfg["tying"] == "tied",
-    )
-    return LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
-
-
-def start_at_rms(h0_rms: float | None) -> Forward:
-    """A ``forward`` for the reference models: the loop from ``embed`` rescaled to RMS h0_rms."""
-
-    def forward(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        x = model.embed(idx)
-        if h0_rms is not None:
-            x = x * (h0_rms / x.pow(2).mean().sqrt())
-        return model.loop(x)
-
-    return forward
-
-
-def _reference_cell(cfg: dict) -> dict:
-    from loopprobe import tasks
-
-    model = _reference_model(cfg)
-    gen = torch.Generator().manual_seed(10_000 + cfg["seed"])
-    idx, _ = tasks.random_tokens(cfg["batch"], cfg["seq_len"], cfg["vocab_size"], gen)
-    inc = increments(model, idx, forward=start_at_rms(cfg["h0_rms"]), copy=False)
-    return _row(inc)
-
-
-def _row(inc: Increments) -> dict:
-    """A sweep row; only a non-finite state is divergence (one visit has no cosine: NaN)."""
-    row = {k: v for k, v in inc.summary().items() if not isinstance(v, dict)}
-    bad = [k for k in ("growth", "hN_rms") if not math.isfinite(row[k])]
-    row["diverged"] = bool(bad)
-    row["error"] = f"non-finite {', '.join(bad)}" if bad else None
-    return row
-
-
-_reference_cell.version = 2

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopprobe.sensitivity import VisitJacobian
-from loopprobe.visits import Forward, Output, Probe, Visit
+from loopprobe.differentiate.jacobian import VisitJacobian
+from loopprobe.record.probe import Probe
+from loopprobe.record.types import Forward, Output, Visit
 
 
 class VisitFunction:
@@ -69,7 +70,15 @@ def visit_function(
 
         F, d0 = lp.visit_function(model, idx)
         G = torch.func.grad(lambda d: F(d).square().mean())(d0)   # G[k]: visit F.visits[k]
-        J = torch.func.jacrev(F)(d0)[0]                             # dense, tiny models only
+        k, t = 0, tuple(torch.randn_like(p) for p in d0[0])       # ||U_k||, power iteration
+        for _ in range(200):
+            tangent = tuple(t if i == k else tuple(map(torch.zeros_like, ps))
+                            for i, ps in enumerate(d0))
+            _, u = torch.func.jvp(F, (d0,), (tangent,))           # U_k t
+            t = torch.func.vjp(F, d0)[1](u)[0][k]                 # U_k^T U_k t
+            scale = torch.sqrt(sum(x.square().sum() for x in t))
+            t = tuple(x / scale for x in t)
+        norm = scale.sqrt()
     """
     probe = model if isinstance(model, Probe) else Probe(model, sublayers)
     if visits is None:

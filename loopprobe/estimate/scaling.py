@@ -29,10 +29,7 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,180 +37,19 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize, nnls
 
-__all__ = [
-    "BOX",
-    "COLUMNS",
-    "DELTA",
-    "LawFit",
-    "ParamSplit",
-    "check_runs",
-    "fit_law",
-    "fit_recurrence_law",
-    "paper_grid",
-    "param_split",
-    "predict",
-    "synthetic_runs",
-]
-
-COLUMNS = ("loss", "r", "n_once", "n_rec", "tokens", "budget")
-NAMES = ("a", "alpha", "b", "beta", "e", "phi")
-BOX = {
-    "a": (-5.0, 35.0),
-    "alpha": (0.0, 2.5),
-    "b": (-5.0, 35.0),
-    "beta": (0.0, 2.5),
-    "e": (-3.0, 2.0),
-    "phi": (-3.0, 3.0),
-}
-DELTA = 1e-3
-TIGHT = {"ftol": 1e-15, "gtol": 1e-10, "maxiter": 10_000, "maxfun": 20_000}
-
-# ------------------------------------------------------------------------- BLAS threads
-
-
-@contextlib.contextmanager
-def one_blas_thread() -> Iterator[None]:
-    """Run the block with OpenBLAS at one thread (this thread only), then restore.
-
-    scipy's L-BFGS-B calls BLAS on vectors of length 6; with OpenBLAS's default threads
-    each call spins up workers, which made every iteration ~25x slower on a loaded 2-core
-    machine (4 ms vs 0.15 ms). No-op where no OpenBLAS with a thread-local setter is loaded.
-    """
-    setters = []
-    try:
-        with open("/proc/self/maps") as fh:
-            libs = {ln.split()[-1] for ln in fh if "openblas" in ln.lower() and ".so" in ln}
-    except OSError:
-        libs = set()
-    for path in sorted(libs):
-        with contextlib.suppress(OSError, AttributeError):
-            setters.append(ctypes.CDLL(path).openblas_set_num_threads_local)
-    previous = [f(1) for f in setters]
-    try:
-        yield
-    finally:
-        for f, n in zip(setters, previous, strict=True):
-            f(n)
-
-
-# ------------------------------------------------------------------------- data
-
-
-def check_runs(df: Any, call: str = "fit_recurrence_law") -> pd.DataFrame:
-    """Validate a tidy frame of runs; returns a copy with ``arch`` (default: ``r``) added."""
-    if not isinstance(df, pd.DataFrame):
-        raise TypeError(f"{call}: expected a pandas DataFrame of runs, got {type(df).__name__}")
-    missing = [c for c in COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(
-            f"{call}: missing column(s) {missing}; the runs need columns {list(COLUMNS)} "
-            "(+ optional arch, seed)"
-        )
-    out = df.copy()
-    for c in COLUMNS:
-        v = pd.to_numeric(out[c], errors="coerce")
-        if v.isna().any():
-            raise ValueError(f"{call}: column {c!r} has non-numeric or empty values")
-        out[c] = v.astype(float)
-    for c in ("loss", "r", "tokens", "budget"):
-        bad = out.index[out[c] <= 0]
-        if len(bad):
-            raise ValueError(
-                f"{call}: column {c!r} must be > 0, got {out.loc[bad[0], c]!r} (row {bad[0]})"
-            )
-    for c in ("n_once", "n_rec"):
-        if (out[c] < 0).any():
-            raise ValueError(f"{call}: column {c!r} must be >= 0")
-    if ((out.n_once + out.n_rec) <= 0).any():
-        raise ValueError(f"{call}: n_once + n_rec must be > 0 on every run")
-    looped = out.r > 1
-    if (looped & (out.n_rec <= 0)).any():
-        raise ValueError(f"{call}: runs with r > 1 need n_rec > 0 (the looped parameters)")
-    if "arch" not in out.columns:
-        out["arch"] = out["r"].map(lambda v: f"r={v:g}")
-    out["arch"] = out["arch"].astype(str)
-    return out.reset_index(drop=True)
-
-
-def _check_budgets(df: pd.DataFrame, call: str) -> None:
-    if df["r"].nunique() < 2:
-        raise ValueError(f"{call}: all runs have the same r; phi needs at least two values of r")
-    per = df.groupby("budget")["arch"].nunique()
-    lone = per[per < 2]
-    if len(lone):
-        raise ValueError(
-            f"{call}: budget {lone.index[0]:g} has runs of one architecture only; the joint "
-            "law compares architectures at the same budget (add runs or drop that budget)"
-        )
-
-
-# ------------------------------------------------------------------------- the law
-
-
-def _log_neff(theta: np.ndarray, X: dict) -> tuple[np.ndarray, np.ndarray]:
-    """log N_eff and d log N_eff / d phi."""
-    rp = X["r"] ** theta[5]
-    neff = X["n_once"] + rp * X["n_rec"]
-    return np.log(neff), rp * X["logr"] * X["n_rec"] / neff
-
-
-def _terms(theta: np.ndarray, X: dict):
-    a, al, b, be, e, _ = theta
-    logn, dphi = _log_neff(theta, X)
-    t = np.stack([a - al * logn, b - be * X["logd"], np.full_like(logn, e)])
-    m = t.max(0)
-    w = np.exp(t - m)
-    s = w.sum(0)
-    return m + np.log(s), w / s, logn, dphi
-
-
-def predict(params: dict, df: pd.DataFrame) -> np.ndarray:
-    """Predicted loss of the law with ``params`` (A, alpha, B, beta, E, phi) on ``df``'s runs."""
-    theta = _theta_of(params)
-    return np.exp(_terms(theta, _design(df))[0])
-
-
-def _design(df: pd.DataFrame) -> dict:
-    return {
-        "r": df["r"].to_numpy(float),
-        "logr": np.log(df["r"].to_numpy(float)),
-        "n_once": df["n_once"].to_numpy(float),
-        "n_rec": df["n_rec"].to_numpy(float),
-        "logd": np.log(df["tokens"].to_numpy(float)),
-    } | (
-        {"y": df["loss"].to_numpy(float), "logy": np.log(df["loss"].to_numpy(float))}
-        if "loss" in df.columns
-        else {}
-    )
-
-
-def objective(theta: np.ndarray, X: dict, target: str = "log", delta: float = DELTA):
-    """Huber sum and its gradient in (a, alpha, b, beta, e, phi).
-
-    ``target="log"``: residual LSE - log L (the paper's Eq. 4); ``"raw"``: exp(LSE) - L
-    (a wrong variant kept to show that it fails).
-    """
-    lse, w, logn, dphi = _terms(theta, X)
-    if target == "log":
-        res, dres = lse - X["logy"], np.ones_like(lse)
-    else:
-        pred = np.exp(lse)
-        res, dres = pred - X["y"], pred
-    small = np.abs(res) <= delta
-    f = np.where(small, 0.5 * res**2, delta * (np.abs(res) - 0.5 * delta)).sum()
-    h = np.where(small, res, delta * np.sign(res)) * dres
-    g = np.array(
-        [
-            (h * w[0]).sum(),
-            -(h * w[0] * logn).sum(),
-            (h * w[1]).sum(),
-            -(h * w[1] * X["logd"]).sum(),
-            (h * w[2]).sum(),
-            -(h * w[0] * theta[1] * dphi).sum(),
-        ]
-    )
-    return f, g
-
+from loopprobe.estimate.scaling_law import (
+    BOX,
+    DELTA,
+    NAMES,
+    TIGHT,
+    _check_budgets,
+    _design,
+    _terms,
+    _theta_of,
+    check_runs,
+    objective,
+    one_blas_thread,
+)
 
 # ------------------------------------------------------------------------- fitting
 
@@ -250,15 +86,15 @@ class LawFit:
 
     def plot(self):
         """Loss vs N_eff per architecture (markers: runs; lines: the fitted law per budget)."""
-        from loopprobe.plots import _figure, _palette
+        from loopprobe.plots._base import new_figure, palette
 
-        fig, axes = _figure()
+        fig, axes = new_figure()
         ax = axes[0][0]
         df = self.residuals
         phi = self.params.get("phi", 1.0)
         neff = df.n_once + df.r**phi * df.n_rec
         archs = sorted(df.arch.unique())
-        colors = dict(zip(archs, _palette(len(archs)), strict=True))
+        colors = dict(zip(archs, palette(len(archs)), strict=True))
         for arch in archs:
             m = df.arch == arch
             ax.scatter(neff[m], df.loss[m], s=16, color=colors[arch], label=arch, zorder=3)
@@ -453,14 +289,6 @@ def fit_law(
     )
 
 
-def _theta_of(p: dict) -> np.ndarray:
-    """The optimiser's vector (log A, alpha, log B, beta, log E, phi) from named parameters."""
-    return np.array(
-        [math.log(p["A"]), p["alpha"], math.log(p["B"]), p["beta"], math.log(p["E"])]
-        + [p.get("phi", 0.0)]
-    )
-
-
 def fit_recurrence_law(
     df: pd.DataFrame,
     *,
@@ -532,90 +360,6 @@ def block_bootstrap(
     return draws, ci
 
 
-# ------------------------------------------------------------------------- the paper's grid
-
-BUDGETS = (4.64e17, 1e18, 2.15e18, 4.64e18, 1e19, 2.15e19)
-# Table 6 (App. E): training tokens (B) of the r = 1 run per (width s, budget)
-TABLE6_TOKENS = {
-    6: {4.64e17: 0.98, 1e18: 2.10},
-    8: {4.64e17: 0.64, 1e18: 1.36, 2.15e18: 2.95},
-    10: {4.64e17: 0.45, 1e18: 0.97, 2.15e18: 2.08, 4.64e18: 4.49},
-    12: {4.64e17: 0.34, 1e18: 0.72, 2.15e18: 1.55, 4.64e18: 3.34, 1e19: 7.13},
-    14: {1e18: 0.56, 2.15e18: 1.20, 4.64e18: 2.59},
-    16: {2.15e18: 0.96, 4.64e18: 2.07, 1e19: 4.43},
-    18: {4.64e18: 1.70, 1e19: 3.62, 2.15e19: 7.78},
-    20: {4.64e18: 1.42, 1e19: 3.05},
-    24: {1e19: 2.20, 2.15e19: 4.71},
-    28: {2.15e19: 3.58},
-    34: {2.15e19: 2.52},
-}
-# Planted law: the paper's alpha, beta, E, phi (Table 2); A, B solved so the law passes
-# through the injection ablation's linear run (Table 5: s=10, r=4, 955M tokens, 2.793)
-# and the extrapolation's r = 1 run (Table 10: s=34, 47B tokens, 2.047).
-PAPER = {"alpha": 0.199, "beta": 0.369, "E": 1.57, "phi": 0.459}
-ANCHORS = ((4, 10, 0.955e9, 2.793), (1, 34, 47e9, 2.047))
-
-
-def split_counts(r: int, d: int, prelude: int = 2, coda: int = 2, depth: int = 20):
-    """Paper Sec. 3.2: (N_once, N_rec) with n_b = 12 d^2, injection n_i = 2 d^2 in N_rec."""
-    nb = 12 * d * d
-    if r == 1:
-        return depth * nb, 0
-    return (prelude + coda) * nb, (depth - prelude - coda) // r * nb + 2 * d * d
-
-
-def paper_grid(rs: tuple = (1, 2, 4, 8)) -> pd.DataFrame:
-    """The paper's 116-run iso-depth grid (without losses): r, s, d, n_once, n_rec, tokens, budget.
-
-    Tokens: Table 6 gives the r = 1 run; a looped run spends 6 * 2 r d^2 more FLOPs per
-    token on the injection, D_r = C / (C / D_1 + 12 r d^2) (reproduces Table 5's 955M).
-    """
-    rows = []
-    for r in rs:
-        for s, per in TABLE6_TOKENS.items():
-            d = 64 * s
-            n_once, n_rec = split_counts(r, d)
-            for c, tok in per.items():
-                d1 = tok * 1e9
-                D = d1 if r == 1 else c / (c / d1 + 12 * r * d * d)
-                rows.append((r, s, d, n_once, n_rec, D, c))
-    return pd.DataFrame(rows, columns=["r", "s", "d", "n_once", "n_rec", "tokens", "budget"])
-
-
-def planted_params() -> dict:
-    """The paper's alpha, beta, E, phi with A, B through the two ANCHORS (see above)."""
-    p = PAPER
-    M, y = [], []
-    for r, s, D, L in ANCHORS:
-        n_once, n_rec = split_counts(r, 64 * s)
-        M.append([(n_once + r ** p["phi"] * n_rec) ** -p["alpha"], D ** -p["beta"]])
-        y.append(L - p["E"])
-    A, B = np.linalg.solve(np.array(M), np.array(y))
-    return {"A": float(A), "alpha": p["alpha"], "B": float(B), "beta": p["beta"], "E": p["E"],
-            "phi": p["phi"]}  # fmt: skip
-
-
-def synthetic_runs(
-    params: dict | None = None,
-    grid: pd.DataFrame | None = None,
-    *,
-    noise: float = 0.010,
-    cell_noise: float = 0.0,
-    seed: int = 0,
-) -> pd.DataFrame:
-    """Losses from a planted law on a grid, plus Gaussian noise (nats) per run and per cell."""
-    params = planted_params() if params is None else params
-    grid = paper_grid() if grid is None else grid
-    out = grid.copy()
-    rng = np.random.default_rng(seed)
-    loss = predict(params, out) + noise * rng.standard_normal(len(out))
-    if cell_noise:
-        cells = out.groupby(["budget", "r"]).ngroup().to_numpy()
-        loss = loss + cell_noise * rng.standard_normal(cells.max() + 1)[cells]
-    out["loss"] = loss
-    return out
-
-
 # ------------------------------------------------------------------------- a user's model
 
 
@@ -667,7 +411,7 @@ def param_split(
     the paper counts non-embedding parameters without the unembedding). Sublayers visited
     more than once are recurrent. The model is not changed (see :func:`loopprobe.attach`).
     """
-    from loopprobe.visits import Probe
+    from loopprobe.record.probe import Probe
 
     names = list(sublayers) if sublayers is not None else _owners(model, norms)
     if not names:

@@ -25,7 +25,7 @@ The library never changes the thread setting of the calling process; from Python
 with :func:`threads`::
 
     with lp.threads(1):          # restores torch.get_num_threads() on exit
-        rep = probe.alignment(inputs, loss_fn)
+        rep = lp.visit_alignment(probe, inputs, loss_fn)
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
 
 #: Parameter-tokens (parameters x token positions per batch) below which one intra-op
 #: thread is used by the command line; measured in ``benchmarks/bench_threads.py``.
@@ -52,6 +54,8 @@ def threads(n: int) -> Iterator[int]:
     docstring for the measured reason); the previous ``torch.get_num_threads()`` is restored
     also when the block raises.
     """
+    import torch
+
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"threads: n={n!r}; give an integer >= 1 (e.g. lp.threads(1))")
     previous = torch.get_num_threads()
@@ -76,6 +80,8 @@ def work(model: nn.Module, inputs: Any = None) -> float:
 def auto_threads(work: float, default: int | None = None, idle: int | None = None) -> int:
     """The command line's rule: one thread below :data:`THRESHOLD` parameter-tokens; above
     it ``default`` (torch's) capped at the cores left ``idle`` (default :func:`idle_cores`)."""
+    import torch
+
     if work < THRESHOLD:
         return 1
     n = torch.get_num_threads() if default is None else default
@@ -100,6 +106,8 @@ def idle_cores() -> int | None:
 
 
 def _positions(inputs: Any) -> int:
+    import torch
+
     tensors = list(_tensors(inputs))
     for t in tensors:
         if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
@@ -111,6 +119,8 @@ def _positions(inputs: Any) -> int:
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    import torch
+
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, dict):

@@ -3,8 +3,8 @@
 :func:`round_map` builds the round map of a reference model (``model.step(h, x)`` with
 ``x = model.embed(idx)``), :func:`replay_round` that of any looped model from the recorded
 calls of one module. The private helpers below (state checks, ``_linearize`` / ``_JVP``,
-``_numpy_op``) are shared by :mod:`loopprobe.fixedpoint` (reachability, geometry) and
-:mod:`loopprobe.implicit` (input-dependence). Reference: docs/definitions.md §4.
+``_numpy_op``) are shared by :mod:`loopprobe.estimate.fixedpoint` (reachability, geometry) and
+:mod:`loopprobe.estimate.implicit` (input-dependence). Reference: docs/definitions.md §4.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def replay_round(
     can differentiate through it; without it ``x`` is an empty tensor that ``step``
     ignores. ``h0`` is the state passed to the first call, ``rounds`` the number of calls.
     """
-    from loopprobe.visits import Probe
+    from loopprobe.record.probe import Probe
 
     call = "replay_round"
     with _eval_mode(model), Probe(model, sublayers=[module]) as probe:

@@ -1,0 +1,218 @@
+"""Per-visit offsets as inputs: F(delta_1, ..., delta_M) and its batched JVPs and VJPs.
+
+:class:`VisitJacobian` evaluates the model's output F with every chosen visit computing
+with ``phi_j + delta_{r,j}`` (through the probe's session, the one parameter swap), and
+applies, for many *operators* at once, ``U t`` (one forward-mode JVP, batched with
+``torch.vmap``) and ``U^T u`` (one VJP graph, built once and reused). An operator is a
+sublayer j and a subset S of its visits: ``t -> sum_{i in S} U_i t`` on ``R^{n_j}``.
+:func:`loopprobe.visit_function` is the public face of the same function; the
+sensitivity and alignment estimators use this class directly for the batched products.
+No dense Jacobian is formed. Definitions: docs/definitions.md (U, per-visit offsets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.func import vjp, vmap
+
+from loopprobe.autodiff import JVP, dtypes_on_path
+from loopprobe.record.probe import Probe, first_nonfinite_visit
+from loopprobe.record.types import Forward, Output, Visit, call_model, pick_output, seeded
+
+
+class VisitJacobian:
+    """F as a function of per-visit offsets, with batched JVP/VJP for a set of operators.
+
+    ``visits`` are the visits that get an offset input (others compute with the plain
+    parameters). An *operator* is a sublayer j and a subset S of its visits: the map
+    ``t -> sum_{i in S} U_i t`` on ``R^{n_j}``. Vectors are padded to ``n_max``.
+    """
+
+    def __init__(
+        self,
+        probe: Probe,
+        inputs: Any,
+        visits: Sequence[Visit],
+        *,
+        forward: Forward | None = None,
+        output: Output | None = None,
+        seed: int | None = 0,
+        call: str = "sensitivity",
+    ) -> None:
+        self.probe, self.inputs, self.forward, self.output = probe, inputs, forward, output
+        self.groups = probe.groups(inputs, forward, seed=seed)
+        self.visits = list(visits)
+        self.pos = {v.i: k for k, v in enumerate(self.visits)}
+        self.n = [self.groups[v.j].sublayer.numel for v in self.visits]
+        self.n_max = max(g.sublayer.numel for g in self.groups)
+        p0 = self.groups[0].params[0]
+        self.dtype, self.device = p0.dtype, p0.device
+        self.seed, self.call = seed, call
+        # Primals are the parameter values themselves (shared, not copied): offset 0.
+        self.primals = tuple(
+            tuple(p.detach() for p in self.groups[v.j].params) for v in self.visits
+        )
+        self.shapes = [[p.shape for p in self.groups[v.j].params] for v in self.visits]
+        self._expected: list[tuple[int, int]] | None = None
+        self._vjp_fn = None
+        self.F0: torch.Tensor | None = None
+        self.jvp = JVP(probe.model, call)
+        self.buffer_writes: list[str] | None = None
+        self.buffer_places = [
+            (mod, name)
+            for mod in probe.model.modules()
+            for name, b in mod._buffers.items()
+            if b is not None
+        ]
+        self.dtypes: set[torch.dtype] = {self.dtype}
+
+    # -- the function --------------------------------------------------------------
+    def f(self, *deltas: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Flattened F, computing with ``deltas[k]`` (one tensor per parameter, the value
+        ``phi_j + delta``) in place of ``phi_j`` at the k-th selected visit.
+
+        A model that writes its buffers in place during forward (running statistics, a
+        cache) cannot be transformed as it is (``torch.func`` refuses to mutate captured
+        tensors): then F is functionalized with fresh copies of the buffers as inputs, the
+        writes become out-of-place, and JVPs come from reverse mode.
+        """
+        if self.buffer_writes is None:
+            return self._f(*deltas)
+        places = self.buffer_places
+        fresh = [mod._buffers[name].clone() for mod, name in places]
+        return torch.func.functionalize(self._f_with_buffers, remove="mutations_and_views")(
+            deltas, fresh
+        )
+
+    def _f_with_buffers(self, deltas: tuple, buffers: list[torch.Tensor]) -> torch.Tensor:
+        saved = [mod._buffers[name] for mod, name in self.buffer_places]
+        try:
+            for (mod, name), b in zip(self.buffer_places, buffers, strict=True):
+                mod._buffers[name] = b
+            return self._f(*deltas)
+        finally:
+            for (mod, name), b in zip(self.buffer_places, saved, strict=True):
+                mod._buffers[name] = b
+
+    def _written_buffers(self) -> list[str]:
+        """Names of the buffers one plain forward changes (``_restored`` puts them back)."""
+        named = list(self.probe.model.named_buffers())
+        before = [b._version for _, b in named]  # bumped by the write (and by the restore)
+        with torch.no_grad():
+            self._f(*self.primals)
+        return [n for (n, b), old in zip(named, before, strict=True) if b._version != old]
+
+    def _f(self, *deltas: tuple[torch.Tensor, ...]) -> torch.Tensor:
+
+        def enter(v: Visit, module: Any, args: tuple, kwargs: dict) -> Sequence | None:
+            k = self.pos.get(v.i)
+            if k is None:
+                return None
+            if self.visits[k].j != v.j:
+                self._diverged(v)
+            return deltas[k]
+
+        with seeded(self.seed, self.device), self.probe.session(enter, call=self.call) as trace:
+            out = call_model(self.probe.model, self.inputs, self.forward)
+            F = pick_output(out, self.output, call=self.call)
+        seen = [(v.i, v.j) for v in trace.visits]
+        if self._expected is None:
+            self._expected = seen
+        elif seen != self._expected:
+            raise RuntimeError(
+                f"{self.call}: the model took a different path on re-evaluation "
+                f"({len(seen)} visits instead of {len(self._expected)}); its trip counts "
+                "depend on randomness that the seed does not control. Use model.eval() or "
+                "a deterministic forward="
+            )
+        return F.reshape(-1)
+
+    def _diverged(self, v: Visit) -> None:
+        raise RuntimeError(
+            f"{self.call}: visit {v.i} is sublayer {v.sublayer!r} now but was another one "
+            "when the visits were counted; the execution order is not reproducible"
+        )
+
+    def vjp_fn(self) -> Any:
+        if self._vjp_fn is None:
+            # Outer no_grad: torch.func still differentiates, but no autograd graph is
+            # recorded for the model's own parameters (much faster, less memory).
+            try:
+                with torch.no_grad():
+                    self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+            except RuntimeError as e:
+                if "mutate a captured Tensor" not in str(e) or self.buffer_writes is not None:
+                    raise
+                written = self._written_buffers()
+                self.buffer_writes = written
+                self.jvp.reverse = True
+                self.jvp.mode = (
+                    "reverse mode (a VJP of a VJP) on a functionalized forward: the model "
+                    f"writes buffers in place ({', '.join(written) or 'a captured tensor'})"
+                )
+                with torch.no_grad():
+                    self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+            # Tolerances follow the lowest precision the forward computes in, not the
+            # parameters' dtype (a float64 model may cast F, a norm or RoPE to float32).
+            self.dtypes = dtypes_on_path(lambda: self.f(*self.primals)) | {self.F0.dtype}
+            if not torch.isfinite(self.F0).all():
+                raise FloatingPointError(
+                    f"{self.call}: the output F is not finite; "
+                    + first_nonfinite_visit(self.probe, self.inputs, self.forward, self.seed)
+                )
+        return self._vjp_fn
+
+    # -- operators -----------------------------------------------------------------
+    def masks(self, operators: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``(B, K)`` 0/1 matrix: operator b uses the selected visits in ``operators[b]``."""
+        m = torch.zeros(len(operators), len(self.visits), dtype=self.dtype, device=self.device)
+        for b, ks in enumerate(operators):
+            m[b, list(ks)] = 1
+        return m
+
+    def unflatten(self, k: int, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out, off = [], 0
+        for shape in self.shapes[k]:
+            n = shape.numel()
+            out.append(t[off : off + n].view(shape))
+            off += n
+        return tuple(out)
+
+    def jvp_one(self, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        tangents = tuple(self.unflatten(k, mask[k] * v[: self.n[k]]) for k in range(len(self.n)))
+        return self.jvp(self.f, self.primals, tangents)[1]
+
+    def vjp_one(self, u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        grads = self.flat_grads(self.vjp_fn()(u))
+        w = torch.zeros(self.n_max, dtype=self.dtype, device=self.device)
+        for k, g in enumerate(grads):
+            w = w + torch.nn.functional.pad(mask[k] * g, (0, self.n_max - self.n[k]))
+        return w
+
+    @staticmethod
+    def flat_grads(grads: tuple) -> list[torch.Tensor]:
+        return [torch.cat([t.reshape(-1) for t in g]) for g in grads]
+
+    def matvec(self, V: torch.Tensor, masks: torch.Tensor, chunk_size: int | None = None):
+        """``U_b v_b`` for every operator b: one vmapped JVP (``chunk_size=0``: a loop)."""
+        with torch.no_grad():
+            if chunk_size == 0:
+                return torch.stack([self.jvp_one(v, m) for v, m in zip(V, masks, strict=True)])
+            return vmap(self.jvp_one, randomness="same", chunk_size=chunk_size)(V, masks)
+
+    def rmatvec(self, U: torch.Tensor, masks: torch.Tensor, chunk_size: int | None = None):
+        """``U_b^T u_b`` for every operator b, reusing one VJP graph (``chunk_size=0``: a loop)."""
+        self.vjp_fn()
+        with torch.no_grad():
+            if chunk_size == 0:
+                return torch.stack([self.vjp_one(u, m) for u, m in zip(U, masks, strict=True)])
+            return vmap(self.vjp_one, randomness="same", chunk_size=chunk_size)(U, masks)
+
+    def transpose_all(self, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``U_i^T u`` for every selected visit i, flattened (one backward)."""
+        fn = self.vjp_fn()
+        with torch.no_grad():
+            return tuple(self.flat_grads(fn(u)))

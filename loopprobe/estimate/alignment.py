@@ -1,0 +1,261 @@
+"""The visit-alignment coefficient kappa, the visit Gram matrices, and the tied-depth bound.
+
+Per physical sublayer j with R_j gradient-visible visits (seed 002, Eq. 12, with the
+measured maxima in place of ``C_U beta/alpha`` and ``C_G beta/alpha``)::
+
+    kappa_j = ||sum_r U_{r,j}|| * ||sum_r G_{r,j}|| / (R_j * max_r ||U_{r,j}|| * max_r ||G_{r,j}||)
+
+and ``kappa_R = max_j kappa_j``. By the triangle inequality ``0 <= kappa_j <= R_j``: R_j
+when the visits are aligned, O(1) when they decorrelate; ``kappa = 1`` when ``R = 1``.
+The Gram/cosine matrices of ``G_{.,j}`` and of ``U_{.,j}^T w`` (a random unit output
+direction w) show *why*: negative cosines between consecutive visits are gradient
+oscillation. The bound check (Eq. 13/14) compares the measured relative output change
+after one real optimizer step with ``M_g * kappa_R * (beta/alpha)^2`` and reports the
+implied constant ``C``. Reference: seed 002, Eq. 12-14, 18, 21.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+
+from loopprobe._stats import cosine_matrix
+from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
+from loopprobe.estimate.updates import LossFn, Updates, per_visit_updates
+from loopprobe.record.probe import Probe
+from loopprobe.record.types import Forward, Output
+
+
+def visit_kappa(
+    U_tied: float, G_tied: float, U_norms: Sequence[float], G_norms: Sequence[float]
+) -> float:
+    """``kappa_j`` from the four measured norms (NaN when a maximum is zero).
+
+    Reference: seed 002, Eq. 12.
+    """
+    R = len(U_norms)
+    if R == 0 or len(G_norms) != R:
+        raise ValueError(
+            f"visit_kappa: need one U and one G norm per visit, got {len(U_norms)} and "
+            f"{len(G_norms)}"
+        )
+    denom = R * max(U_norms) * max(G_norms)
+    return float(U_tied * G_tied / denom) if denom > 0 else float("nan")
+
+
+@dataclass
+class AlignmentReport:
+    """kappa_R, one row per physical sublayer, one row per visit, and the Gram matrices.
+
+    ``kappa_bar = sum_j R_j kappa_j / M_g`` is the visit-weighted aggregate of Eq. 21
+    (``M_g kappa_bar`` is the per-sublayer sum of Eq. 20, never above ``M_g kappa_R``).
+    ``gram_G[name]``/``cos_G[name]``: visit Gram and cosine matrices of ``G_{.,j}``;
+    ``gram_UTw``/``cos_UTw``: the same for ``U_{.,j}^T w``. ``M``/``M_g``: forward- and
+    gradient-visible visits (measured). ``update`` says which effective update G is.
+    ``converged`` is True only when every U estimate converged and every kappa_j is a
+    number in ``[0, R_j]``; ``reason`` says what is not (a sublayer's ``kappa_ok`` column
+    marks its own kappa_j).
+    """
+
+    kappa: float
+    sublayers: pd.DataFrame
+    visits: pd.DataFrame
+    gram_G: dict[str, torch.Tensor]
+    cos_G: dict[str, torch.Tensor]
+    gram_UTw: dict[str, torch.Tensor]
+    cos_UTw: dict[str, torch.Tensor]
+    M: int
+    M_g: int
+    update: str
+    F_norm: float
+    loss: float
+    kappa_bar: float = float("nan")
+    kappa_note: str = ""
+    updates: Updates | None = field(default=None, repr=False)
+    sensitivity: Sensitivity | None = field(default=None, repr=False)
+    converged: bool = True
+    reason: str = ""
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per visit with its sublayer's kappa_j, R_j and tied norms joined on."""
+        cols = ["sublayer", "kappa", "R_g", "U_tied", "G_tied", "U_max", "G_max"]
+        return self.visits.merge(self.sublayers[cols], on="sublayer", how="left")
+
+
+def visit_alignment(
+    probe: Probe,
+    inputs: Any,
+    loss_fn: LossFn,
+    *,
+    forward: Forward | None = None,
+    output: Output | None = None,
+    update: str | torch.optim.Optimizer = "sgd",
+    method: str = "auto",
+    max_iter: int = 100,
+    tol: float | None = None,
+    generator: torch.Generator | None = None,
+    seed: int | None = 0,
+    chunk_size: int | None = None,
+    memory: str = "full",
+) -> AlignmentReport:
+    """kappa_j per sublayer and kappa_R = max_j, from G (one backward) and U (power iteration).
+
+    The visits counted are the gradient-visible ones (offsets that reach the loss); U is
+    measured on the same visits with F picked by ``output=`` (default the model output).
+    Every model evaluation runs with torch's RNG at ``seed`` (same dropout masks for G
+    and every U product). See :func:`per_visit_updates` and :func:`sensitivity_norms`
+    for the arguments; ``memory="low"`` keeps only G norms and tied sums (no G Gram
+    matrices in the report). Reference: seed 002, Eq. 12.
+    """
+    ups = per_visit_updates(
+        probe, inputs, loss_fn, forward=forward, update=update, seed=seed, memory=memory
+    )
+    visible = [v for v in ups.visits if bool(ups.visible[v.j][v.r])]
+    if not visible:
+        raise ValueError(
+            "visit_alignment: no visit of any sublayer gets a gradient from the loss; "
+            "check loss_fn and that the looped sublayers run with gradient enabled"
+        )
+    sens = sensitivity_norms(
+        probe,
+        inputs,
+        forward=forward,
+        output=output,
+        visits=visible,
+        method=method,
+        max_iter=max_iter,
+        tol=tol,
+        generator=generator,
+        seed=seed,
+        chunk_size=chunk_size,
+    )
+    return _report(ups, sens, {s.name: s.role for s in probe.sublayers()})
+
+
+def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> AlignmentReport:
+    U_of = {v.i: est for v, est in zip(sens.visits, sens.visit_norms, strict=True)}
+    vrows, srows = [], []
+    gram_G, cos_G, gram_UTw, cos_UTw = {}, {}, {}, {}
+    for v in ups.visits:
+        est = U_of.get(v.i)
+        vrows.append(
+            {
+                "sublayer": v.sublayer,
+                "j": v.j,
+                "r": v.r,
+                "i": v.i,
+                "module": v.module,
+                "grad_enabled": v.grad_enabled,
+                "grad_visible": bool(ups.visible[v.j][v.r]),
+                "U_norm": est.value if est else float("nan"),
+                "G_norm": float(ups.norms(v.j)[v.r]),
+                "converged": est.converged if est else None,
+                "iterations": est.iterations if est else 0,
+                "rel_change": est.rel_change if est else float("nan"),
+            }
+        )
+    visits = pd.DataFrame(vrows)
+    kappas = []
+    for j, name in enumerate(ups.sublayers):
+        mine = visits[(visits.j == j) & visits.grad_visible]
+        R = int((visits.j == j).sum())
+        role = (roles or {}).get(name, "body")
+        row: dict[str, Any] = {"sublayer": name, "j": j, "role": role, "R": R, "R_g": len(mine)}
+        if len(mine) and j in sens.tied_norms:
+            tied_U = sens.tied_norms[j]
+            G_tied = float(ups.tied(j).norm())  # invisible visits contribute zero
+            kappa = visit_kappa(tied_U.value, G_tied, list(mine.U_norm), list(mine.G_norm))
+            if ups.G is not None:
+                gram = ups.gram(j)
+                gram_G[name], cos_G[name] = gram, cosine_matrix(gram)
+            if j in sens.UTw:
+                g2 = sens.UTw[j] @ sens.UTw[j].T
+                gram_UTw[name], cos_UTw[name] = g2, cosine_matrix(g2)
+            kappas.append((role, kappa))
+            row.update(
+                kappa=kappa,
+                U_tied=tied_U.value,
+                G_tied=G_tied,
+                U_max=float(mine.U_norm.max()),
+                G_max=float(mine.G_norm.max()),
+                U_sum=float(mine.U_norm.sum()),
+                G_sum=float(mine.G_norm.sum()),
+                tied_converged=tied_U.converged,
+                converged=bool(tied_U.converged and mine.converged.all()),
+                cos_G_adjacent=_adjacent(cos_G[name]) if name in cos_G else float("nan"),
+            )
+        else:
+            row.update(kappa=float("nan"), U_tied=float("nan"), G_tied=float("nan"))
+        srows.append(row)
+    # kappa_R: max over the loop body only; reuse that is not recurrence is listed, not used.
+    finite = [k for r, k in kappas if not math.isnan(k) and r == "body"]
+    out = [n for n in ups.sublayers if (roles or {}).get(n, "body") != "body"]
+    note = f"kappa_R is over role='body' sublayers; excluded: {out}" if out else ""
+    if not finite and out:
+        finite = [k for _, k in kappas if not math.isnan(k)]
+        note = f"no body sublayer: kappa_R is over every sublayer, including {out}"
+    sub = pd.DataFrame(srows)
+    M_g = int(visits.grad_visible.sum())
+    in_R = sub.role.eq("body") if sub.role.eq("body").any() else sub.role.notna()
+    sub["kappa_ok"], flagged = _kappa_checks(sub)
+    problems = [text for i, text in flagged.items() if in_R[i]]  # only what kappa_R uses
+    counted = sub.kappa.notna() & (sub.R_g > 0) & in_R
+    weighted = (sub.R_g * sub.kappa)[counted].sum()
+    reasons = [sens.reason] if not sens.converged else []
+    return AlignmentReport(
+        kappa=max(finite) if finite else float("nan"),
+        sublayers=sub,
+        visits=visits,
+        gram_G=gram_G,
+        cos_G=cos_G,
+        gram_UTw=gram_UTw,
+        cos_UTw=cos_UTw,
+        M=len(ups.visits),
+        M_g=M_g,
+        update=ups.method,
+        F_norm=sens.F_norm,
+        loss=ups.loss,
+        kappa_bar=float(weighted / sub.R_g[counted].sum()) if counted.any() else float("nan"),
+        kappa_note=note,
+        updates=ups,
+        sensitivity=sens,
+        converged=not (reasons or problems),
+        reason="; ".join(reasons + problems),
+    )
+
+
+def _kappa_checks(sub: pd.DataFrame) -> tuple[list[bool], dict[int, str]]:
+    """Which kappa_j can be shown as numbers, and why the others cannot.
+
+    ``0 <= kappa_j <= R_j`` holds for exact norms (triangle inequality); a value above R_j
+    means the max-norms in its denominator were underestimated (unconverged U). A NaN
+    kappa_j (a zero max norm: a sublayer the loss does not reach) is named, not dropped.
+    """
+    ok, problems = [], {}
+    for i, row in enumerate(sub.itertuples()):
+        if row.R_g == 0:
+            ok.append(True)  # no gradient-visible visit: not part of kappa_R by definition
+        elif math.isnan(row.kappa):
+            ok.append(False)
+            problems[i] = f"kappa of {row.sublayer} is NaN (a zero max norm of U or G)"
+        elif not 0 <= row.kappa <= row.R_g * (1 + 1e-9):
+            ok.append(False)
+            problems[i] = (
+                f"kappa of {row.sublayer} = {row.kappa:.4g} lies outside [0, R_j = {row.R_g}]: "
+                "its max-norms are underestimated (U not converged); not a measurement"
+            )
+        else:
+            ok.append(True)
+    return ok, problems
+
+
+def _adjacent(cos: torch.Tensor) -> float:
+    """Mean cosine between consecutive visits (negative: gradient oscillation)."""
+    if cos.shape[0] < 2:
+        return float("nan")
+    return float(cos.diagonal(1).mean())

@@ -1,0 +1,322 @@
+"""The tied-depth bound: one real optimizer step, the output change it causes, and C.
+
+:func:`bound_check` steps a copy of the parameters (the model never changes), measures
+the relative output change ``||Delta F|| / ||F||`` (first order, one JVP, and the true
+finite change) and compares it with the prediction ``M_g kappa_R (beta/alpha)^2`` built
+from :func:`loopprobe.visit_alignment`; the implied constant is ``C``.
+:func:`bound_sweep` repeats it over R and fits log-log slopes. Definitions:
+docs/definitions.md (the bound and C); reference: seed 002, Eq. 13-16, 18, 20-21.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.func import functional_call, jvp
+
+from loopprobe._stats import loglog_slope
+from loopprobe.autodiff import transform_safe
+from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
+from loopprobe.estimate.updates import LossFn
+from loopprobe.record.probe import Probe
+from loopprobe.record.session import restored
+from loopprobe.record.types import Forward, Output, call_model, pick_output, seeded
+
+# --------------------------------------------------------------------------- bound check
+
+
+@dataclass
+class BoundCheck:
+    """Measured ``||Delta F|| / ||F||`` after one step vs ``M_g kappa_R (beta/alpha)^2``.
+
+    ``converged``/``reason`` carry the alignment report's (kappa_R from unconverged norms is
+    not a prediction) and flag a true change ``dF_true`` whose relative roundoff
+    ``dF_roundoff`` (about eps / dF_true: a difference of two nearly equal outputs) exceeds
+    1e-3; ``dF_first`` (one JVP) has no such cancellation. A lower-precision model whose
+    change is within 1000 eps of roundoff gets ``dF_true`` from a float64 copy of itself
+    (up to 5e7 parameters), where the roundoff is controlled. ``prediction_M`` uses
+    all forward visits M instead of M_g (they differ for truncated models, whose
+    forward-only visits also read the update; C is defined with M_g).
+    """
+
+    kappa: float
+    M: int
+    M_g: int
+    alpha: float
+    beta: float
+    lr: float
+    optimizer: str
+    scope: str
+    F_norm: float
+    dF_first: float
+    dF_true: float
+    prediction: float
+    C: float
+    C_first: float
+    kappa_bar: float = float("nan")
+    prediction_sum: float = float("nan")
+    prediction_M: float = float("nan")
+    dF_roundoff: float = float("nan")
+    converged: bool = True
+    reason: str = ""
+    report: AlignmentReport | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        keys = [k for k in self.__dataclass_fields__ if k != "report"]
+        return {k: getattr(self, k) for k in keys}
+
+    def to_frame(self) -> pd.DataFrame:
+        return pd.DataFrame([self.to_dict()])
+
+
+@transform_safe()
+def bound_check(
+    probe: Probe,
+    inputs: Any,
+    loss_fn: LossFn,
+    *,
+    lr: float = 1e-3,
+    optimizer: str = "sgd",
+    scope: str = "looped",
+    alpha: float | None = None,
+    beta: float | None = None,
+    forward: Forward | None = None,
+    output: Output | None = None,
+    seed: int | None = 0,
+    report: AlignmentReport | None = None,
+    **alignment_kwargs: Any,
+) -> BoundCheck:
+    """One real optimizer step on a copy of the parameters; the output change it causes.
+
+    ``optimizer``: ``"sgd"``, ``"adam"`` or ``"adamw"`` (a fresh ``torch.optim`` optimizer
+    with ``lr``), stepping on detached clones, so the model never changes. ``scope``:
+    ``"looped"`` steps only the loop body's parameters (the bound's subject: the
+    sublayers with role ``"body"``, whose kappa_R it uses and whose visits M, M_g count;
+    embeddings, norms and heads fixed), ``"all"`` every parameter. Measured: the
+    first-order change ``||J dtheta|| / ||F||`` (one JVP) and the true finite change
+    ``||F(theta + dtheta) - F(theta)|| / ||F||``. ``alpha``/``beta`` default to
+    ``model.cfg.alpha``/``.beta``. The prediction uses the gradient-visible count
+    ``M_g`` (equal to M without truncation; seed 002, Eq. 21) and
+    ``C = dF_true / prediction``; ``prediction_sum`` is the finer per-sublayer form
+    ``sum_j R_j kappa_j (beta/alpha)^2`` (Eq. 20). Reference: seed 002, Eq. 13-14, 20.
+    """
+    call = "bound_check"
+    if scope not in ("looped", "all"):
+        raise ValueError(f"{call}: scope={scope!r}; choose 'looped' or 'all'")
+    opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    if optimizer not in opt_cls:
+        raise ValueError(f"{call}: optimizer={optimizer!r}; choose one of {list(opt_cls)}")
+    alpha, beta = _scales(probe.model, alpha, beta, call)
+    if report is None:
+        report = visit_alignment(
+            probe, inputs, loss_fn, forward=forward, output=output, seed=seed, **alignment_kwargs
+        )
+    model = probe.model
+    if scope == "looped":
+        groups = probe.groups()
+        body = [g for g in groups if g.sublayer.role == "body"] or groups
+        params = list({id(p): p for g in body for p in g.params}.values())
+    else:
+        params = [p for p in model.parameters()]
+    with torch.enable_grad(), seeded(seed, params[0].device), restored(model):
+        loss = loss_fn(call_model(model, inputs, forward), inputs)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    new = [p.detach().clone() for p in params]
+    for q, g in zip(new, grads, strict=True):
+        q.grad = torch.zeros_like(q) if g is None else g.detach().clone()
+    opt = opt_cls[optimizer](new, lr=lr)
+    opt.step()
+    delta = [q.detach() - p.detach() for q, p in zip(new, params, strict=True)]
+
+    def F_of(*values: torch.Tensor) -> torch.Tensor:
+        return _output_at(model, params, values, inputs, forward, output, seed)
+
+    with torch.no_grad():
+        F0 = F_of(*[p.detach() for p in params])
+        F1 = F_of(*[q.detach() for q in new])
+        _, dF = jvp(F_of, tuple(p.detach() for p in params), tuple(delta))
+    F_norm = float(F0.norm())
+    dF_first = float(dF.norm()) / F_norm
+    dF_true = float((F1 - F0).norm()) / F_norm
+    eps = torch.finfo(F0.dtype).eps
+    if F0.dtype != torch.float64 and dF_true < 1e3 * eps:
+        # A difference of two nearly equal low-precision outputs: take it in float64.
+        exact = _true_change_float64(model, params, new, inputs, forward, output, seed)
+        if exact is not None:
+            dF_true, eps = exact, torch.finfo(torch.float64).eps
+    # The bound's subject is the loop body (kappa_R's sublayers): count its visits only.
+    rows = report.sublayers
+    rows = rows[rows.role.eq("body")] if rows.role.eq("body").any() else rows
+    M, M_g = int(rows.R.sum()), int(rows.R_g.sum())
+    prediction = M_g * report.kappa * (beta / alpha) ** 2
+    roundoff = eps / dF_true if dF_true > 0 else float("inf")
+    reasons = [report.reason] if not report.converged else []
+    if roundoff > 1e-3:
+        reasons.append(
+            f"the true change dF/F = {dF_true:.3g} is a difference of two outputs in "
+            f"{str(F0.dtype).removeprefix('torch.')} with relative roundoff ~{roundoff:.1g}; "
+            "read dF_first (first order) or probe the model in float64"
+        )
+    return BoundCheck(
+        kappa=report.kappa,
+        M=M,
+        M_g=M_g,
+        alpha=alpha,
+        beta=beta,
+        lr=lr,
+        optimizer=optimizer,
+        scope=scope,
+        F_norm=F_norm,
+        dF_first=dF_first,
+        dF_true=dF_true,
+        prediction=prediction,
+        C=dF_true / prediction,
+        C_first=dF_first / prediction,
+        kappa_bar=report.kappa_bar,
+        prediction_sum=M_g * report.kappa_bar * (beta / alpha) ** 2,
+        prediction_M=M * report.kappa * (beta / alpha) ** 2,
+        dF_roundoff=roundoff,
+        converged=not reasons,
+        reason="; ".join(reasons),
+        report=report,
+    )
+
+
+def _scales(model: nn.Module, alpha: float | None, beta: float | None, call: str) -> tuple:
+    cfg = getattr(model, "cfg", None)
+    if alpha is None:
+        alpha = getattr(cfg, "alpha", None)
+    if beta is None:
+        beta = getattr(cfg, "beta", None)
+    if alpha is None or beta is None:
+        raise ValueError(
+            f"{call}: the model has no cfg.alpha/cfg.beta; pass alpha= and beta= (the residual "
+            "scale and init gain; 1.0 and 1.0 for a plain pre-norm model)"
+        )
+    return float(alpha), float(beta)
+
+
+FLOAT64_COPY_LIMIT = 50_000_000
+
+
+def _true_change_float64(model, params, new, inputs, forward, output, seed) -> float | None:
+    """``||F(theta + dtheta) - F(theta)|| / ||F||`` on a float64 copy of the model (None when
+    the model is too large to copy, or does not run in float64)."""
+    if sum(p.numel() for p in model.parameters()) > FLOAT64_COPY_LIMIT:
+        return None
+    names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        twin = copy.deepcopy(model).double()
+        twin_params = [twin.get_parameter(names[id(p)]) for p in params]
+        x = _to_float64(inputs)
+
+        def F_of(values: list[torch.Tensor]) -> torch.Tensor:
+            return _output_at(twin, twin_params, values, x, forward, output, seed)
+
+        with torch.no_grad():
+            F0 = F_of([p.detach().double() for p in params])
+            F1 = F_of([q.detach().double() for q in new])
+    except (RuntimeError, TypeError, KeyError, AttributeError):
+        return None
+    return float((F1 - F0).norm() / F0.norm())
+
+
+def _to_float64(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.double() if x.is_floating_point() else x
+    if isinstance(x, tuple | list):
+        return type(x)(_to_float64(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_float64(v) for k, v in x.items()}
+    return x
+
+
+class _Called(nn.Module):
+    """``model`` called as the probe calls it, so ``functional_call`` can swap its parameters."""
+
+    def __init__(self, model: nn.Module, forward: Forward | None) -> None:
+        super().__init__()
+        self.model, self.forward_fn = model, forward
+
+    def forward(self, inputs: Any) -> Any:
+        return call_model(self.model, inputs, self.forward_fn)
+
+
+def _output_at(model, params, values, inputs, forward, output, seed) -> torch.Tensor:
+    """F with ``params[k]`` replaced by ``values[k]`` everywhere in ``model``
+    (``torch.func.functional_call``: tied names get the same value)."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    new = {f"model.{names[id(p)]}": v for p, v in zip(params, values, strict=True)}
+    with seeded(seed, params[0].device), restored(model):
+        out = functional_call(_Called(model, forward), new, (inputs,), strict=False)
+    return pick_output(out, output, call="bound_check")
+
+
+# --------------------------------------------------------------------------- R sweep
+
+
+@dataclass
+class BoundSweep:
+    """One :class:`BoundCheck` row per R, and the fitted log-log slopes in R."""
+
+    frame: pd.DataFrame
+    slope: float
+    slope_first: float
+    slope_prediction: float
+    C_ratio: float
+
+    @property
+    def converged(self) -> bool:
+        """Every row's check converged (see :class:`BoundCheck`)."""
+        return bool(self.frame["converged"].all())
+
+    @property
+    def reason(self) -> str:
+        bad = self.frame[~self.frame["converged"]]
+        return "; ".join(f"R={r.R}: {r.reason}" for r in bad.itertuples())
+
+    def to_frame(self) -> pd.DataFrame:
+        df = self.frame.copy()
+        df.attrs.update(converged=self.converged, reason=self.reason)
+        return df
+
+
+def bound_sweep(
+    factory: Callable[[int], nn.Module],
+    Rs: Sequence[int],
+    inputs: Any,
+    loss_fn: LossFn,
+    *,
+    sublayers: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> BoundSweep:
+    """:func:`bound_check` on ``factory(R)`` for each R; slopes of log dF vs log R.
+
+    ``inputs`` may be a callable ``inputs(model)``. ``slope`` fits the true relative change,
+    ``slope_first`` the first-order one, ``slope_prediction`` the predicted bound;
+    ``C_ratio = max C / min C`` across R. Reference: seed 002, Eq. 13-16.
+    """
+    if len(Rs) < 2:
+        raise ValueError(f"bound_sweep: need at least two values of R, got {list(Rs)}")
+    rows = []
+    for R in Rs:
+        model = factory(R)
+        x = inputs(model) if callable(inputs) else inputs
+        with Probe(model, sublayers) as probe:
+            chk = bound_check(probe, x, loss_fn, **kwargs)
+        rows.append({"R": R, **chk.to_dict()})
+    frame = pd.DataFrame(rows)
+    fit = lambda col: loglog_slope(frame.R, frame[col])  # noqa: E731
+    return BoundSweep(
+        frame=frame,
+        slope=fit("dF_true"),
+        slope_first=fit("dF_first"),
+        slope_prediction=fit("prediction"),
+        C_ratio=float(frame.C.max() / frame.C.min()),
+    )

@@ -1,0 +1,40 @@
+"""Figures from the tidy frames that the diagnostics and :func:`loopprobe.sweep` return.
+
+Every function takes a long-format pandas DataFrame (one row per config/visit/step, as
+mup's coord check does), returns a :class:`matplotlib.figure.Figure` and never calls
+``plt.show``. Without pyplot a figure is a bare ``Figure`` (no global state, no GUI:
+headless, in tests and notebooks alike); when the caller has imported
+``matplotlib.pyplot`` it is made by ``plt.figure`` and is the current figure, so
+``plt.savefig`` saves it. Either way ``fig.savefig("kappa.png")`` works. Column names are keyword arguments with the producers'
+names as defaults; each docstring lists the columns it reads. Rows with
+``diverged=True`` are left out of every figure.
+
+Notation follows the papers: κ_R (visit alignment), ‖ΔF‖ (output change after one
+step), β/α (update-to-residual ratio), ρ(∂T/∂h) (spectral radius of one round).
+"""
+
+from loopprobe._stats import loglog_slope  # the slope the figures draw, for notebooks
+from loopprobe.plots.alignment import (
+    delta_f_vs_R,
+    kappa_vs_R,
+    predicted_slopes,
+    visit_cosines,
+    visit_norms,
+)
+from loopprobe.plots.fixedpoint import eigenvalues, fixed_point_residuals
+from loopprobe.plots.growth import coord_check, increment_growth, lr_transfer, stream_plot
+
+__all__ = [
+    "coord_check",
+    "delta_f_vs_R",
+    "eigenvalues",
+    "fixed_point_residuals",
+    "increment_growth",
+    "kappa_vs_R",
+    "loglog_slope",
+    "lr_transfer",
+    "predicted_slopes",
+    "stream_plot",
+    "visit_cosines",
+    "visit_norms",
+]

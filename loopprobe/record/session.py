@@ -1,0 +1,178 @@
+"""The one place where parameters are swapped: hooks on every sublayer, for one call.
+
+:func:`session` installs a forward pre-hook and post-hook on each module of each
+sublayer. At a visit, ``enter`` may hand back one tensor per parameter of the sublayer;
+the module then computes with those tensors (per-visit offsets, fresh leaves, float64
+copies) for that call only, as ``torch.func.functional_call`` does, and gets its own
+parameters back when the call returns or raises. Every estimator that needs a per-visit
+parameter goes through here; nothing else in the package writes ``_parameters``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from loopprobe.autodiff import in_backward, transform_safe
+from loopprobe.record.types import Sublayer, Trace, Visit
+
+
+@dataclass
+class Group:
+    """A sublayer with its live parameters, the modules that use them, and where each
+    module holds each parameter (``places[slot]``: (owner module, name, parameter index))."""
+
+    sublayer: Sublayer
+    params: list[torch.Tensor]
+    modules: list[nn.Module]
+    places: list[list[tuple[nn.Module, str, int]]]
+
+    def owners(self, model: nn.Module) -> list[nn.Module]:
+        """Every module in ``model`` that directly holds one of this group's parameters."""
+        ids = {id(p) for p in self.params}
+        return [
+            m
+            for m in model.modules()
+            if any(p is not None and id(p) in ids for p in m._parameters.values())
+        ]
+
+    def renumbered(self, j: int) -> Group:
+        return Group(replace(self.sublayer, index=j), self.params, self.modules, self.places)
+
+
+@contextmanager
+def session(
+    model: nn.Module,
+    groups: Sequence[Group],
+    owners: Sequence[Sequence[tuple[nn.Module, str]]],
+    enter: Callable[[Visit, nn.Module, tuple, dict], Sequence[torch.Tensor] | None] | None = None,
+    leave: Callable[[Visit, tuple, dict, Any], None] | None = None,
+    *,
+    call: str = "probe",
+) -> Iterator[Trace]:
+    """Hooks on every sublayer module for the duration of the ``with`` block.
+
+    At each visit ``enter(visit, module, args, kwargs)`` may return one tensor per
+    sublayer parameter; the module then computes with those tensors in place of its
+    parameters for this call only (as ``torch.func.functional_call`` does) and gets its
+    own parameters back when the call returns or raises. ``leave(visit, args, kwargs,
+    output)`` sees the output. Yields a :class:`Trace` filled in as the forward runs.
+    Model state (parameters, buffers, train/eval mode) is restored on exit. Inside the
+    block, fused attention and activation checkpointing are made transform-safe
+    (:func:`loopprobe.autodiff.transform_safe`): same values, every visit counted once.
+    """
+    trace = Trace([], [])
+    counts = [0] * len(groups)
+    inside = [0] * len(groups)
+    active: dict[int, list[tuple[Visit, list]]] = {}
+    handles = []
+
+    def pre_hook(j: int, g: Group, slot: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if in_backward():
+                raise RuntimeError(
+                    f"{call}: module {g.sublayer.modules[slot]!r} was called during a "
+                    "backward pass: activation checkpointing other than "
+                    "torch.utils.checkpoint recomputes it, and a recomputed call cannot be "
+                    "told from a new visit. Turn that checkpointing off while probing "
+                    "(e.g. model.gradient_checkpointing_disable())"
+                )
+            v = Visit(
+                i=len(trace.visits),
+                j=j,
+                r=counts[j],
+                sublayer=g.sublayer.name,
+                module=g.sublayer.modules[slot],
+                grad_enabled=torch.is_grad_enabled(),
+            )
+            counts[j] += 1
+            inside[j] += 1
+            trace.visits.append(v)
+            saved: list = []
+            new = enter(v, module, args, kwargs) if enter is not None else None
+            if new is not None:
+                for owner, pname, k in g.places[slot]:
+                    saved.append((owner, pname, owner._parameters[pname]))
+                    owner._parameters[pname] = new[k]
+            active.setdefault(id(module), []).append((v, saved))
+
+        return hook
+
+    def post_hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        stack = active.get(id(module))
+        if not stack:
+            return
+        v, saved = stack.pop()
+        inside[v.j] -= 1
+        for owner, pname, p in reversed(saved):
+            owner._parameters[pname] = p
+        if leave is not None:
+            leave(v, args, kwargs, out)
+
+    def owner_hook(j: int, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if inside[j] == 0:
+                trace.outside.append((j, name))
+
+        return hook
+
+    with restored(model), transform_safe():
+        try:
+            for j, g in enumerate(groups):
+                for slot, m in enumerate(g.modules):
+                    handles.append(
+                        m.register_forward_pre_hook(pre_hook(j, g, slot), with_kwargs=True)
+                    )
+                    handles.append(
+                        m.register_forward_hook(post_hook, with_kwargs=True, always_call=True)
+                    )
+                for owner, oname in owners[j]:
+                    handles.append(owner.register_forward_pre_hook(owner_hook(j, oname)))
+            yield trace
+        finally:
+            for h in handles:
+                h.remove()
+            for stack in active.values():
+                for _, saved in reversed(stack):
+                    for owner, pname, p in reversed(saved):
+                        owner._parameters[pname] = p
+
+
+def device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+@contextmanager
+def restored(model: nn.Module) -> Iterator[None]:
+    """Put back train/eval flags and buffer values (e.g. BatchNorm running stats).
+
+    Inside the block, train-mode BatchNorm layers run without running statistics: the
+    output is the same (train mode normalises with batch statistics), nothing is
+    updated, and torch.func transforms do not trip over in-place buffer updates.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    stats = []
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            for key in ("running_mean", "running_var", "num_batches_tracked"):
+                if m._buffers.get(key) is not None:
+                    stats.append((m, key, m._buffers[key]))
+                    m._buffers[key] = None
+    try:
+        yield
+    finally:
+        for m, key, b in stats:
+            m._buffers[key] = b
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                if not torch.equal(b, saved):
+                    b.copy_(saved)

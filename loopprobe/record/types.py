@@ -1,0 +1,161 @@
+"""The records of a probe: sublayers, visits, recordings, and how a model is called.
+
+A *physical sublayer* ``j`` is a group of parameters ``phi_j`` that is reused; a *visit*
+``(r, j)`` is the r-th call (execution order, 0-based) of a module that computes with
+``phi_j``. These are plain data: :mod:`loopprobe.record.probe` finds and fills them.
+``inputs`` is what the model is called with (a tensor, or a tuple of positional
+arguments); ``forward(model, inputs)`` replaces the call for anything else, and
+``output(out)`` picks the tensor F from the result. Definitions: docs/definitions.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+Forward = Callable[[nn.Module, Any], Any]
+Output = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """One physical sublayer: a parameter group and the module instance(s) that use it.
+
+    ``role``: ``body`` (the loop), ``head``, ``norm``, ``embedding`` or ``other`` (reuse
+    that is not recurrence); ``role_reason`` gives the evidence (see loopprobe.record.discover).
+    """
+
+    name: str
+    index: int
+    modules: tuple[str, ...]
+    param_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numel: int
+    role: str = "body"
+    role_reason: str = "named by the user"
+
+
+@dataclass(frozen=True)
+class Visit:
+    """Visit ``r`` of sublayer ``j`` (global execution index ``i`` among all visits)."""
+
+    i: int
+    j: int
+    r: int
+    sublayer: str
+    module: str
+    grad_enabled: bool
+    grad_visible: bool | None = None
+
+
+@dataclass
+class VisitRecord:
+    """A visit with detached copies of its call arguments and of its output."""
+
+    visit: Visit
+    args: tuple
+    kwargs: dict
+    output: Any
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "visit":
+            raise AttributeError(name)
+        return getattr(self.visit, name)
+
+
+@dataclass
+class Recording:
+    """All visits of one forward pass, in execution order, plus the model output."""
+
+    visits: list[VisitRecord]
+    output: Any
+    sublayers: list[Sublayer] = field(default_factory=list)
+
+    def to_frame(self) -> pd.DataFrame:
+        rows = []
+        for v in self.visits:
+            out = v.output if isinstance(v.output, torch.Tensor) else None
+            rows.append(
+                {
+                    "i": v.i,
+                    "sublayer": v.sublayer,
+                    "j": v.j,
+                    "r": v.r,
+                    "module": v.module,
+                    "grad_enabled": v.grad_enabled,
+                    "output_norm": float(out.norm()) if out is not None else float("nan"),
+                }
+            )
+        return pd.DataFrame(rows)
+
+
+def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) -> Any:
+    """``forward(model, inputs)`` if given, else ``model(*inputs)`` / ``model(inputs)``."""
+    if forward is not None:
+        return forward(model, inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+HF_OUTPUTS = ("logits", "last_hidden_state")
+
+
+def pick_output(out: Any, output: Output | None = None, *, call: str = "probe") -> torch.Tensor:
+    """The tensor F: ``output(out)`` if given, else ``out`` itself when it is a tensor, else
+    the ``.logits`` (or, without logits, ``.last_hidden_state``) of a Hugging Face output."""
+    F = output(out) if output is not None else out
+    if output is None and not isinstance(F, torch.Tensor):
+        F = next((getattr(F, k) for k in HF_OUTPUTS if getattr(F, k, None) is not None), F)
+    if not isinstance(F, torch.Tensor):
+        raise TypeError(
+            f"{call}: the model output is a {type(F).__name__}, not a tensor; pass "
+            "output=lambda out: out[...] (or forward=) to pick the tensor F"
+        )
+    return F
+
+
+def copy_tree(x: Any) -> Any:
+    """Detached clones of every tensor in nested tuples/lists/dicts (other leaves as is)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, tuple):
+        return tuple(copy_tree(v) for v in x)
+    if isinstance(x, list):
+        return [copy_tree(v) for v in x]
+    if isinstance(x, dict):
+        return {k: copy_tree(v) for k, v in x.items()}
+    return x
+
+
+@dataclass
+class Trace:
+    """What a :meth:`Probe.session` saw: the visits, and calls of modules owning a
+    sublayer's parameters outside any visit of it (uses the per-visit offsets miss)."""
+
+    visits: list[Visit]
+    outside: list[tuple[int, str]]
+
+
+@contextmanager
+def seeded(seed: int | None, device: torch.device | None = None) -> Iterator[None]:
+    """Run the block with torch's RNG at ``seed`` and put the caller's RNG state back.
+
+    Every function evaluation of one estimate runs under the same seed, so dropout and
+    other torch randomness draw the same sample for every derivative. ``None``: no-op.
+    """
+    if seed is None:
+        yield
+        return
+    cuda = [device.index or 0] if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for idx in cuda:
+            torch.cuda.default_generators[idx].manual_seed(seed)
+        yield
