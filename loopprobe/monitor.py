@@ -23,9 +23,10 @@ Diagnostics (names for ``diagnostics=``), cheapest first; the default is the che
   mean ``cos_G_adjacent`` per sublayer, and ``probe_loss``;
 - ``"increments"``: per-visit increment RMS, per-group ``inc_ratio`` and mean off-diagonal
   cosine ``inc_cos``, and the stream's ``growth`` (:func:`loopprobe.increments`, no backward);
-- ``"kappa"``: ``kappa_R``, ``kappa_bar``, ``kappa`` per sublayer (:func:`loopprobe.visit_alignment`;
-  Krylov on JVP/VJP: hundreds of training steps' worth of compute); it also yields every
-  ``"updates"`` and ``"sensitivity"`` number, from the same report;
+- ``"kappa"``: ``kappa_R``, ``kappa_bar`` and ``kappa`` per sublayer
+  (:func:`loopprobe.visit_alignment`; Krylov on JVP/VJP: hundreds of training steps' worth
+  of compute); it also yields every ``"updates"`` and ``"sensitivity"`` number, from the
+  same report;
 - ``"sensitivity"``: per-visit ``||U_r||`` and ``U_tied`` (:func:`loopprobe.sensitivity_norms`);
 - ``"rho"``: spectral radius of one round at the state after the model's own rounds
   (:func:`loopprobe.spectral_radius`); reference models out of the box, others with
@@ -288,11 +289,9 @@ def _run_increments(mon: Monitor, ctx: _Context) -> None:
     ok = inc.converged
     for k, v in enumerate(inc.visits):
         ctx.add("inc_rms", inc.inc_rms[k], sublayer=v.sublayer, visit=v.r, converged=ok)
-    for name, c, ratio in zip(inc.groups, inc.cos, inc.ratio, strict=True):
-        n = len(c)
-        off = (c.sum() - c.trace()) / (n * (n - 1)) if n > 1 else math.nan
-        ctx.add("inc_ratio", ratio, sublayer=name, converged=ok)
-        ctx.add("inc_cos", off, sublayer=name, converged=ok)
+    for g in inc.group_frame().itertuples():
+        ctx.add("inc_ratio", g.ratio, sublayer=g.group, converged=ok)
+        ctx.add("inc_cos", g.mean_offdiag_cos, sublayer=g.group, converged=ok)
     ctx.add("growth", inc.growth, converged=ok)
 
 
