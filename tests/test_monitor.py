@@ -65,7 +65,12 @@ class WithBuffer(nn.Module):
 
 
 def noisy_round(model: WithBuffer, inputs: torch.Tensor):
-    torch.rand(3)  # user code drawing from the global RNG: the monitor's guard must fork it
+    """A user's round builder that runs the model in training mode first (dropout draws from
+    the global RNG, the buffer counts the call) and leaves it in eval mode: only the
+    monitor's own guard, not an estimator's, can undo that."""
+    with torch.no_grad():
+        model(inputs)
+    model.eval()
     return lp.round_map(model.gpt, inputs)
 
 
@@ -182,6 +187,7 @@ def test_the_frame_equals_the_direct_estimator_calls_at_that_step():
     G = [float(g) for j in range(len(ups.sublayers)) for g in ups.norms(j)]
     assert values(f, "G_norm").tolist() == G
     assert values(f, "U_norm").tolist() == [e.value for e in rep.sensitivity.visit_norms]
+    assert f[f.quantity == "U_norm"].visit.tolist() == [v.r for v in rep.sensitivity.visits]
     assert values(f, "cos_G_adjacent").tolist() == rep.sublayers.cos_G_adjacent.tolist()
     assert values(f, "inc_ratio").tolist() == inc.ratio
     assert values(f, "inc_cos").tolist() == inc.group_frame().mean_offdiag_cos.tolist()
