@@ -112,11 +112,12 @@ class TensorBoardSink(Sink):
 
     Every row is a scalar (``loopprobe/kappa_R`` is the kappa_R-vs-step curve,
     ``loopprobe/kappa/<sublayer>`` one per sublayer; per-visit rows too unless
-    ``per_visit=False``). Every ``heatmap_every``-th write adds, per quantity in
-    ``heatmaps``, an image of the step x visit heat map of all steps so far (one panel per
-    sublayer, :func:`loopprobe.monitor_plots.visit_heatmap`). Pass ``log_dir`` or an open
-    ``writer`` (then :meth:`close` only flushes it). Needs the ``tensorboard`` package:
-    ``pip install 'loopprobe[monitor]'``.
+    ``per_visit=False``). Every ``heatmap_every``-th write (the first included) adds, per
+    quantity in ``heatmaps``, an image of the step x visit heat map of all steps so far
+    (one panel per sublayer, :func:`loopprobe.monitor_plots.visit_heatmap`; drawing it
+    costs about 0.2 s, several training steps of a small model, hence not every write).
+    Pass ``log_dir`` or an open ``writer`` (then :meth:`close` only flushes it). Needs the
+    ``tensorboard`` package: ``pip install 'loopprobe[monitor]'``.
     """
 
     def __init__(
@@ -127,7 +128,7 @@ class TensorBoardSink(Sink):
         prefix: str = "loopprobe",
         per_visit: bool = True,
         heatmaps: tuple[str, ...] = HEATMAPS,
-        heatmap_every: int = 1,
+        heatmap_every: int = 10,
     ) -> None:
         if writer is None:
             if importlib.util.find_spec("tensorboard") is None:
