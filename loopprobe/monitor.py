@@ -11,7 +11,8 @@ training loop after ``optimizer.step()``::
 On a scheduled step it runs the chosen diagnostics (each a direct call of the public
 estimator, on the probe batch) and appends their numbers to :attr:`Monitor.frame`, a long
 frame with columns ``step, sublayer, visit, quantity, value, converged`` (``sublayer`` is
-None for model-level numbers, ``visit`` is <NA> for sublayer- and model-level ones).
+missing for model-level numbers, ``visit`` for sublayer- and model-level ones: ``.isna()``;
+``converged`` is <NA> where a number has no convergence test, e.g. G norms and the loss).
 Nothing the training uses changes: parameters, ``.grad``, buffers, train/eval modes, the
 optimizer state and torch's global RNG are the same afterwards, also when a diagnostic
 raises (the estimators guarantee it; :func:`_untouched` adds a guard around all of them).
