@@ -112,6 +112,8 @@ class Monitor:
     training optimizer, whose state is read, never written). ``options``: keyword
     arguments per diagnostic, passed to its estimator (``{"kappa": {"max_iter": 50}}``).
     ``seed``: torch's RNG seed inside every estimate (the training RNG is never advanced).
+    The model is probed in the mode it is in: in training mode dropout is on, with the
+    same masks (from ``seed``) for every estimate of a step.
     ``on_error``: ``"raise"`` (default) or ``"warn"`` (the step's other diagnostics still
     run; the error is kept in :attr:`errors`).
     """
@@ -182,7 +184,14 @@ class Monitor:
             return None
         ctx = _Context(step)
         if loss is not None:
-            ctx.add("loss", float(loss.detach()) if torch.is_tensor(loss) else float(loss))
+            if torch.is_tensor(loss) and loss.numel() == 1:
+                loss = loss.detach().item()
+            if isinstance(loss, bool) or not isinstance(loss, int | float):
+                raise TypeError(
+                    f"{CALL}.step: loss must be a number or a one-element tensor, got {loss!r}; "
+                    "pass loss=loss.item() or leave it out"
+                )
+            ctx.add("loss", loss)
         with _untouched(self.model):
             for name, every in self.diagnostics.items():
                 if self._runs % every:

@@ -283,11 +283,15 @@ def test_rho_on_a_model_without_a_round_map_asks_for_replay_round():
         Monitor(model, IDX, diagnostics=["rho"])
 
 
-def test_a_negative_or_non_integer_step_is_a_type_error():
+def test_a_negative_or_non_integer_step_or_a_non_number_loss_is_a_type_error():
     mon = Monitor(tiny(), IDX, diagnostics=["increments"], every=1)
     for bad in (-1, 1.0, True):
         with pytest.raises(TypeError, match="step must be an integer >= 0"):
             mon.step(bad)
+    for bad in ("0.5", torch.ones(2)):
+        with pytest.raises(TypeError, match=r"pass loss=loss.item\(\)"):
+            mon.step(0, loss=bad)
+    assert mon.frame.empty  # nothing half-recorded
 
 
 # ---------------------------------------------------------------------------------- sinks
