@@ -54,13 +54,29 @@ from torch import nn
 from loopprobe.alignment import AlignmentReport, bound_check, visit_alignment
 from loopprobe.fixedpoint import round_map, spectral_radius
 from loopprobe.increments import increments
-from loopprobe.monitor_sinks import COLUMNS, Sink, as_sink, typed_frame
+from loopprobe.monitor_sinks import (  # the sinks re-exported: one import for the loop
+    COLUMNS,
+    CallableSink,
+    FileSink,
+    Sink,
+    TensorBoardSink,
+    as_sink,
+    typed_frame,
+)
 from loopprobe.probe import Probe
 from loopprobe.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.updates import Updates, per_visit_updates
 from loopprobe.visits import _restored
 
-__all__ = ["COLUMNS", "DIAGNOSTICS", "Monitor", "dense_early"]
+__all__ = [
+    "COLUMNS",
+    "DIAGNOSTICS",
+    "CallableSink",
+    "FileSink",
+    "Monitor",
+    "TensorBoardSink",
+    "dense_early",
+]
 
 DIAGNOSTICS = ("updates", "increments", "kappa", "sensitivity", "rho", "bound")
 NEEDS_LOSS = ("updates", "kappa", "bound")
