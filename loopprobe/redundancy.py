@@ -213,7 +213,9 @@ def _adapters(model: nn.Module, attention: Any, call: str) -> dict[str, ra.Adapt
     out = {}
     for pat, fn in attention.items():
         if not callable(fn):
-            raise TypeError(f"{call}: the adapter for {pat!r} is a {type(fn).__name__}, not callable")
+            raise TypeError(
+                f"{call}: the adapter for {pat!r} is a {type(fn).__name__}, not callable"
+            )
         hits = [n for n in names if fnmatch.fnmatchcase(n, pat)]
         if not hits:
             raise ValueError(f"{call}: attention pattern {pat!r} matches no module of the model")

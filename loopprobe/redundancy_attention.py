@@ -100,11 +100,7 @@ def sparsity(
     One dict per fraction: ``fraction``, ``captured`` and ``recall``.
     """
     p0, v0, p1, v1 = (t.double() for t in (p0, v0, p1, v1))
-    # ||p1 v1 - p0 v0||^2 expanded, so no (B, H, T, S, d) tensor is formed
-    n00 = (v0 * v0).sum(-1)[..., None, :]
-    n11 = (v1 * v1).sum(-1)[..., None, :]
-    n01 = (v0 * v1).sum(-1)[..., None, :]
-    score = (p1 * p1 * n11 - 2 * p1 * p0 * n01 + p0 * p0 * n00).clamp_min(0)
+    score = oracle_scores(p0, v0, p1, v1)
     valid = (p0 > 0) | (p1 > 0)
     n = valid.sum(-1)
     total = score.sum(-1)
@@ -126,6 +122,22 @@ def sparsity(
             }
         )
     return rows
+
+
+def oracle_scores(
+    p0: torch.Tensor, v0: torch.Tensor, p1: torch.Tensor, v1: torch.Tensor, chunk: int = 2**24
+) -> torch.Tensor:
+    """``s_ij = ||p1[i,j] v1[j] - p0[i,j] v0[j]||^2``, ``(B, H, T, S)``, in query chunks whose
+    ``(B, H, c, S, d)`` difference has at most ``chunk`` entries (the difference is formed
+    explicitly: expanding the square would leave rounding noise on unchanged keys)."""
+    B, H, T, S = p1.shape
+    step = max(1, chunk // max(1, B * H * S * v1.shape[-1]))
+    out = []
+    for i in range(0, T, step):
+        a = p1[..., i : i + step, :, None] * v1[..., None, :, :]
+        b = p0[..., i : i + step, :, None] * v0[..., None, :, :]
+        out.append((a - b).pow(2).sum(-1))
+    return torch.cat(out, dim=-2)
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
