@@ -157,15 +157,10 @@ class Redundancy(Trust):
         """Mean over layers: rows (observation, tensor, metric, param), columns loop."""
         df = self.frame.fillna({"param": -1.0})
         first = {c: {v: i for i, v in enumerate(df[c].unique())} for c in ORDER}
-        keys = pd.DataFrame({c: df[c].map(first[c]) for c in ORDER}).assign(param=df["param"])
-        df = df.loc[keys.sort_values([*ORDER, "param"], kind="stable").index]
         wide = df.pivot_table(
-            index=["observation", "tensor", "metric", "param"],
-            columns="loop",
-            values="value",
-            aggfunc="mean",
-            sort=False,
+            index=[*ORDER, "param"], columns="loop", values="value", aggfunc="mean"
         )
+        wide = wide.sort_index(key=lambda ix: ix.map(first[ix.name]) if ix.name in first else ix)
         return wide.sort_index(axis=1).rename(index={-1.0: float("nan")}, level="param")
 
     def _not_converged(self) -> list[str]:

@@ -283,3 +283,51 @@ def test_summary_has_one_column_per_loop_in_order():
     assert list(share.index) == [0.1, 0.25, 0.5]
     mean = res.frame.query("observation == 'concentration' and param == 0.25 and loop == 3")
     assert share.loc[0.25, 3] == pytest.approx(mean.value.mean())
+
+
+# --------------------------------------------------------------------------- CLI and plots
+
+
+def test_cli_prints_the_compact_table_and_json_with_every_row(capsys):
+    import json
+
+    from loopprobe.cli import main
+
+    assert main(["redundancy", "--seq-len", "8", "--batch", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "layers (loops): {'blocks.0': 4, 'blocks.1': 4}" in text
+    assert "concentration output share" in text and "quantization  K" in text
+    assert "cos_median" not in text  # headline rows only without --all
+    assert main(["redundancy", "--seq-len", "8", "--batch", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["converged"] and out["attention"] == {"blocks.0.attn.f": 4, "blocks.1.attn.f": 4}
+    res = redundancy(
+        lp.models.LoopedGPT(lp.models.GPTConfig(), generator=torch.Generator().manual_seed(0)),
+        torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0)),
+    )
+    assert len(out["rows"]) == len(res.frame)
+    got = {(r["observation"], r["layer"], r["tensor"], r["loop"], r["metric"]): r["value"]
+           for r in out["rows"] if r["observation"] == "similarity"}  # fmt: skip
+    for r in res.frame.query("observation == 'similarity'").itertuples():
+        assert got[(r.observation, r.layer, r.tensor, r.loop, r.metric)] == r.value
+
+
+def test_each_plot_draws_one_line_per_group_and_rejects_a_frame_without_its_rows():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from loopprobe import redundancy_plots as rp
+
+    df = redundancy(tiny_gpt(), ids(), group=GROUP).to_frame()
+    ax = rp.plot_concentration(df)
+    assert len(ax.get_legend().get_texts()) == 3  # f = 0.1, 0.25, 0.5
+    ax = rp.plot_quantization(df)
+    assert {t.get_text() for t in ax.get_legend().get_texts()} >= {"K", "V", "2 bit", "4 bit"}
+    assert len(rp.plot_attention(df).get_legend().get_texts()) == 3  # loops 2, 3, 4
+    assert len(rp.plot_similarity(df).get_legend().get_texts()) == 3  # output, K, V
+    plt.close("all")
+    hidden_only = df[df.tensor == "output"]
+    with pytest.raises(ValueError, match="plot_quantization: the frame has no 'quantization'"):
+        rp.plot_quantization(hidden_only)
