@@ -315,8 +315,11 @@ def redundancy(
         _hidden_rows(add, name, "output", hs, fractions)
     for name, caps in kv.items():
         if len(caps) < 2:
-            if caps:
-                notes.append(f"attention {name}: called once, no adjacent loops")
+            notes.append(
+                f"attention {name}: called once, no adjacent loops"
+                if caps
+                else f"attention {name}: never called (a fused fast path may bypass it)"
+            )
             continue
         for i, t in enumerate(("K", "V")):
             xs = [c[i] for c in caps]

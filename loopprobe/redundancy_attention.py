@@ -11,8 +11,10 @@ that triple, so a user's adapter for their own module is a few lines::
         q, k, v = (heads(p(x)) for p in (module.wq, module.wk, module.wv))
         return lp.redundancy_attention.attention_from_qkv(q, k, v, causal=True)
 
-Adapters are known for the reference models' ``CausalSelfAttention`` and x-transformers'
-``Attend`` (which returns its post-softmax probabilities); :func:`known_adapter` finds them.
+Adapters are known for the reference models' ``CausalSelfAttention``, torch's
+``nn.MultiheadAttention`` and x-transformers' ``Attend`` (which returns its post-softmax
+probabilities); :func:`known_adapter` finds them. A module that is never called (a fused
+fast path that bypasses it, e.g. ``nn.TransformerEncoderLayer`` in eval mode) is noted.
 
 Attention-difference sparsity (FlashLoop's second observation): per query ``i`` and head,
 the oracle score of key ``j`` is ``s_ij = ||p_t[i,j] v_t[j] - p_{t-1}[i,j] v_{t-1}[j]||^2``;
@@ -75,12 +77,48 @@ def x_transformers_attend(module: nn.Module, args: tuple, kwargs: dict, output: 
     return k, v, probs
 
 
+def torch_multihead_attention(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple:
+    """Adapter for ``nn.MultiheadAttention`` (packed or separate projections): recomputes q,
+    k, v and the probabilities with ``attn_mask``/``is_causal``; probabilities ``None``
+    with a key padding mask, ``bias_k`` or ``add_zero_attn``."""
+    names = ("query", "key", "value")
+    q_in, k_in, v_in = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(names))
+    if not module.batch_first:  # (T, B, D) -> (B, T, D)
+        q_in, k_in, v_in = (t.transpose(0, 1) for t in (q_in, k_in, v_in))
+    D, H = module.embed_dim, module.num_heads
+    if module.in_proj_weight is not None:
+        ws = module.in_proj_weight.split(D)
+    else:
+        ws = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+    bs = module.in_proj_bias.split(D) if module.in_proj_bias is not None else (None,) * 3
+
+    def heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, w, b)
+        return y.view(y.shape[0], y.shape[1], H, D // H).transpose(1, 2)
+
+    q, k, v = (heads(x, w, b) for x, w, b in zip((q_in, k_in, v_in), ws, bs, strict=True))
+    if (
+        kwargs.get("key_padding_mask") is not None
+        or module.bias_k is not None
+        or module.add_zero_attn
+    ):
+        return k, v, None
+    mask = kwargs.get("attn_mask")
+    if mask is None:
+        return attention_from_qkv(q, k, v, causal=bool(kwargs.get("is_causal", False)))
+    s = (q.double() @ k.double().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    return k, v, s.softmax(dim=-1)
+
+
 def known_adapter(module: nn.Module) -> Adapter | None:
     """The built-in adapter for ``module``'s class, or ``None``."""
     from loopprobe.models.layers import CausalSelfAttention
 
     if isinstance(module, CausalSelfAttention):
         return looped_gpt_attention
+    if isinstance(module, nn.MultiheadAttention):
+        return torch_multihead_attention
     cls = type(module)
     if cls.__name__ == "Attend" and cls.__module__.startswith("x_transformers"):
         return x_transformers_attend

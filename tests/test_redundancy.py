@@ -140,6 +140,38 @@ def test_every_row_on_x_transformers_looped_matches_numpy_from_the_tests_own_pro
     assert res.attention == {"attn_layers.layers.0.1.attend": 4}
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mask", ["none", "bool", "float"])
+def test_the_multihead_attention_adapter_gives_torchs_own_per_head_probabilities(batch_first, mask):
+    from loopprobe.redundancy_attention import torch_multihead_attention
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        mha = nn.MultiheadAttention(8, 2, batch_first=batch_first).double()
+    x = torch.randn(2, 5, 8, generator=gen, dtype=torch.float64)
+    x = x if batch_first else x.transpose(0, 1)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    additive = torch.randn(5, 5, generator=gen, dtype=torch.float64)
+    kw = {"none": {}, "bool": {"attn_mask": causal}, "float": {"attn_mask": additive}}[mask]
+    out, want = mha(x, x, x, need_weights=True, average_attn_weights=False, **kw)
+    k, v, p = torch_multihead_attention(mha, (x, x, x), kw, None)
+    torch.testing.assert_close(p, want, rtol=1e-12, atol=1e-14)
+    y = (p @ v).transpose(1, 2).reshape(2, 5, 8) @ mha.out_proj.weight.T + mha.out_proj.bias
+    torch.testing.assert_close(y, out if batch_first else out.transpose(0, 1))
+
+
+def test_a_looped_torch_encoder_layer_has_its_attention_recognised_and_a_bypassed_one_is_noted():
+    from realmodels import make_torch_encoder
+
+    case = make_torch_encoder(R=3)
+    res = redundancy(case.model, case.inputs)
+    assert res.attention == {"layer.self_attn": 3} and res.converged and res.notes == []
+    assert set(res.frame.observation) >= {"attention", "quantization"}
+    case.model.eval()  # no fused fast path: the hooks see self_attn in eval mode too
+    assert redundancy(case.model, case.inputs).attention == {"layer.self_attn": 3}
+
+
 # --------------------------------------------------------------------------- known answers
 
 
@@ -255,6 +287,14 @@ def test_a_failing_adapter_names_the_module_and_leaves_no_hook_behind():
 def test_bad_arguments_raise_naming_the_call_the_value_and_the_fix(kwargs, error, match):
     with pytest.raises(error, match=match):
         redundancy(tiny_gpt(R=2), ids(), **kwargs)
+
+
+def test_an_attention_module_that_is_never_called_is_noted():
+    model = TwoTokenLoop()
+    model.unused = nn.Linear(4, 4)
+    res = redundancy(model, torch.ones(1, 8, 4), attention={"unused": print})
+    assert res.attention == {"unused": 0}
+    assert res.notes == ["attention unused: never called (a fused fast path may bypass it)"]
 
 
 def test_a_model_without_recognised_attention_gets_hidden_state_rows_and_a_note():
