@@ -15,8 +15,8 @@ frames). From these, with the definitions of the authors' reference code:
   (``err_oracle``);
 - **concentration** (observation 1): per token ``s_i = ||h_t,i - h_{t-1},i|| / ||h_t,i||`` on
   the layer output; the share of the squared change ``sum ||h_t,i - h_{t-1},i||^2`` carried
-  by the top ``ceil(f T)`` tokens by ``s_i``, per sequence, averaged over the batch (a
-  uniform change gives ``f``);
+  by the top ``ceil(f T)`` tokens by ``s_i`` (``share``; ``share_oracle``: the top tokens by
+  the change itself), per sequence, averaged over the batch (a uniform change gives ``f``);
 - **attention** (observation 2) and **quantization** (observation 3): see
   :func:`loopprobe.redundancy_attention.sparsity` and
   :func:`loopprobe.redundancy_quant.residual_quantization`.
@@ -107,22 +107,24 @@ def extrapolation(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict[str
 
 def concentration(
     prev: torch.Tensor, cur: torch.Tensor, fractions: Sequence[float]
-) -> dict[float, float]:
-    """Share of the squared change carried by the top ``ceil(f T)`` tokens by ``s_i``."""
+) -> dict[float, dict[str, float]]:
+    """Per ``f``: ``share`` of the squared change carried by the top ``ceil(f T)`` tokens by
+    ``s_i``, and ``share_oracle`` by the top tokens by the change itself (its upper bound)."""
     prev, cur = prev.double(), cur.double()
     change = (cur - prev).norm(dim=-1)  # (B, T)
     size = cur.norm(dim=-1)
     score = torch.where(size > 0, change / torch.where(size > 0, size, 1.0), math.inf)
-    order = score.argsort(dim=-1, descending=True, stable=True)
-    sq = change.gather(-1, order) ** 2
-    total = sq.sum(-1)
+    total = (change**2).sum(-1)
     live = total > 0
     T = cur.shape[-2]
-    out = {}
+    out: dict[float, dict[str, float]] = {}
     for f in fractions:
         top = max(1, math.ceil(f * T))
-        share = sq[..., :top].sum(-1)[live] / total[live]
-        out[float(f)] = float(share.mean()) if share.numel() else math.nan
+        out[float(f)] = {}
+        for name, key in (("share", score), ("share_oracle", change)):
+            order = key.argsort(dim=-1, descending=True, stable=True)[..., :top]
+            share = (change.gather(-1, order) ** 2).sum(-1)[live] / total[live]
+            out[float(f)][name] = float(share.mean()) if share.numel() else math.nan
     return out
 
 
@@ -356,5 +358,5 @@ def _hidden_rows(add: Callable, name: str, tensor: str, hs: list, fractions: Seq
         add("similarity", name, tensor, loop, similarity(a, b))
         if loop >= 3:
             add("extrapolation", name, tensor, loop, extrapolation(hs[loop - 3], a, b))
-        for f, share in concentration(a, b, fractions).items():
-            add("concentration", name, tensor, loop, {"share": share}, f)
+        for f, shares in concentration(a, b, fractions).items():
+            add("concentration", name, tensor, loop, shares, f)

@@ -41,11 +41,15 @@ def _rows(df: pd.DataFrame, observation: str, call: str, **equal: Any) -> pd.Dat
     return rows
 
 
-def plot_concentration(df: pd.DataFrame, *, hue: str = "param", ax: Any = None) -> Any:
-    """Share of the squared change in the top fraction f of tokens vs loop (dashed: f)."""
+def plot_concentration(
+    df: pd.DataFrame, *, metric: str = "share", hue: str = "param", ax: Any = None
+) -> Any:
+    """Share of the squared change in the top fraction f of tokens vs loop (dotted: f, the
+    share of a uniform change). ``metric``: ``share`` or ``share_oracle``."""
     import seaborn as sns
 
-    rows = _rows(df, "concentration", "plot_concentration").rename(columns={"param": "f"})
+    rows = _rows(df, "concentration", "plot_concentration", metric=metric)
+    rows = rows.rename(columns={"param": "f"})
     ax = _axes(ax)
     hue = "f" if hue == "param" else hue
     sns.lineplot(rows, x="loop", y="value", hue=hue, marker="o", ax=ax, palette="viridis")

@@ -1,16 +1,17 @@
 """FlashLoop's three observations on a small LoopedGPT, untrained vs briefly trained.
 
 A LoopedGPT (K=2 blocks, R=4 loops, d=64, 4 heads, pre-norm) is trained on byte-level
-Python source (lp.tasks.stdlib_text, seq 64, batch 16, AdamW 3e-3) for ``--steps`` steps (500); at
+Python source (lp.tasks.stdlib_text, seq 64, batch 16, AdamW 3e-3) for ``--steps`` (500) steps; at
 init and after training, ``lp.redundancy`` is measured on one held-out batch (4 x 64 tokens,
 float64 copy of the model) and its summary (mean over the two blocks / attention modules,
-per loop) is written to the CSV with the column ``model`` = ``init`` / ``trained``.
+per loop) is written to the CSV with the columns ``model`` (``init`` / ``trained``) and
+``seed``.
 
-    python scripts/redundancy_study.py                     # ~1-2 CPU-minutes, one thread
+    python scripts/redundancy_study.py                     # seeds 0, 1: ~2 CPU-minutes
     python scripts/redundancy_study.py --steps 20 --out /tmp/x.csv   # a smoke test
 
-One thread; the validation loss before/after training is printed (and stored in the CSV's
-``attrs`` rows, observation ``training``).
+One thread; the validation loss before/after training is printed and stored in the CSV's
+rows with observation ``training``.
 """
 
 from __future__ import annotations
@@ -67,25 +68,28 @@ def measure(model: LoopedGPT, label: str, seed: int) -> pd.DataFrame:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=500)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0,1", help="comma-separated model/data seeds")
     ap.add_argument("--out", default="scripts/redundancy_study.csv")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.process_time()
-    model = build(args.seed)
-    frames = [measure(model, "init", args.seed)]
-    before = val_loss(model, args.seed)
-    train(model, args.steps, args.seed)
-    after = val_loss(model, args.seed)
-    frames.append(measure(model, "trained", args.seed))
-    loss = pd.DataFrame(
-        {"observation": "training", "tensor": "", "metric": "val_loss", "param": float("nan"),
-         "loop": 0, "value": [before, after], "model": ["init", "trained"]}
-    )  # fmt: skip
-    df = pd.concat([*frames, loss], ignore_index=True)
+    frames = []
+    for seed in (int(t) for t in args.seeds.split(",")):
+        model = build(seed)
+        frames.append(measure(model, "init", seed).assign(seed=seed))
+        before = val_loss(model, seed)
+        train(model, args.steps, seed)
+        after = val_loss(model, seed)
+        frames.append(measure(model, "trained", seed).assign(seed=seed))
+        frames.append(pd.DataFrame(
+            {"observation": "training", "tensor": "", "metric": "val_loss", "param": float("nan"),
+             "loop": 0, "value": [before, after], "model": ["init", "trained"], "seed": seed}
+        ))  # fmt: skip
+        print(f"seed {seed}: val loss {before:.3f} -> {after:.3f} after {args.steps} steps; "
+              f"{time.process_time() - t0:.0f} CPU-s so far")  # fmt: skip
+    df = pd.concat(frames, ignore_index=True)
     df.to_csv(args.out, index=False, float_format="%.5g")
-    print(f"val loss {before:.3f} -> {after:.3f} after {args.steps} steps; "
-          f"{time.process_time() - t0:.0f} CPU-s; wrote {args.out} ({len(df)} rows)")  # fmt: skip
+    print(f"wrote {args.out} ({len(df)} rows)")
 
 
 if __name__ == "__main__":

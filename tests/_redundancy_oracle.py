@@ -53,17 +53,20 @@ def extrapolation(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> dict:
     }
 
 
-def concentration(prev: np.ndarray, cur: np.ndarray, f: float) -> float:
-    shares = []
+def concentration(prev: np.ndarray, cur: np.ndarray, f: float) -> dict:
+    shares, oracle = [], []
     for s in range(cur.shape[0]):
         T = cur.shape[1]
         change = [np.linalg.norm(cur[s, t] - prev[s, t]) for t in range(T)]
         score = [change[t] / np.linalg.norm(cur[s, t]) for t in range(T)]
-        top = sorted(range(T), key=lambda t: -score[t])[: max(1, math.ceil(f * T))]
+        k = max(1, math.ceil(f * T))
+        top = sorted(range(T), key=lambda t: -score[t])[:k]
+        best = sorted(range(T), key=lambda t: -change[t])[:k]
         total = sum(c * c for c in change)
         if total > 0:
             shares.append(sum(change[t] ** 2 for t in top) / total)
-    return float(np.mean(shares))
+            oracle.append(sum(change[t] ** 2 for t in best) / total)
+    return {"share": np.mean(shares), "share_oracle": np.mean(oracle)}
 
 
 def sparsity(p0, v0, p1, v1, f: float) -> tuple[float, float]:
@@ -147,7 +150,7 @@ def expected_rows(states: dict, kv: dict, fractions, key_fractions, bits, group)
             if t >= 3:
                 put("extrapolation", layer, tensor, t, extrapolation(hs[t - 3], a, b))
             for f in fracs:
-                put("concentration", layer, tensor, t, {"share": concentration(a, b, f)}, f)
+                put("concentration", layer, tensor, t, concentration(a, b, f), f)
 
     for layer, hs in states.items():
         hidden(layer, "output", hs, fractions)

@@ -97,7 +97,7 @@ def test_every_row_on_a_tiny_looped_gpt_matches_a_numpy_loop_written_from_its_we
     np.testing.assert_allclose(logits, model(idx).detach().numpy(), rtol=1e-10, atol=1e-12)
     res = redundancy(model, idx, fractions=FR, key_fractions=KFR, bits=BITS, group=GROUP)
     want = oracle.expected_rows(states, kv, FR, KFR, BITS, GROUP)
-    assert len(want) == len(res.frame) == 2 * (18 + 12 + 9) + 2 * (2 * (18 + 12) + 2 * 24 + 24)
+    assert len(want) == len(res.frame) == 2 * (18 + 12 + 18) + 2 * (2 * (18 + 12) + 2 * 24 + 24)
     assert_rows_match(frame_rows(res), want)
     assert res.converged and res.notes == [] and res.layers == {"blocks.0": 4, "blocks.1": 4}
 
@@ -203,10 +203,11 @@ def test_a_loop_that_changes_exactly_two_tokens_puts_all_change_in_the_top_two()
     # h_t = 1 everywhere but token 1 (1 + t) and token 4 (1 + 3t), over 4 channels:
     # ||dh|| is 2 and 6, score 1/(1+t) and 3/(1+3t): token 4 first, carrying 36/40.
     res = redundancy(TwoTokenLoop(), torch.ones(1, 8, 4, dtype=torch.float64))
-    share = res.frame.query("observation == 'concentration'").set_index(["loop", "param"]).value
-    for loop in (2, 3):
-        assert share[(loop, 0.1)] == pytest.approx(0.9)  # ceil(0.8) = 1 token
-        assert share[(loop, 0.25)] == 1.0 and share[(loop, 0.5)] == 1.0
+    conc = res.frame.query("observation == 'concentration'")
+    share = conc.set_index(["metric", "loop", "param"]).value
+    for loop, metric in [(2, "share"), (3, "share"), (2, "share_oracle"), (3, "share_oracle")]:
+        assert share[(metric, loop, 0.1)] == pytest.approx(0.9)  # ceil(0.8) = 1 token
+        assert share[(metric, loop, 0.25)] == 1.0 and share[(metric, loop, 0.5)] == 1.0
     sim = res.frame.query("observation == 'similarity' and loop == 2").set_index("metric").value
     assert sim["rel_prev"] == pytest.approx(math.sqrt(40) / math.sqrt(4 * (6 + 4 + 16)))
 
@@ -321,7 +322,9 @@ def test_summary_has_one_column_per_loop_in_order():
     assert list(wide.columns) == [1, 2, 3, 4]
     share = wide.loc[("concentration", "output", "share")]
     assert list(share.index) == [0.1, 0.25, 0.5]
-    mean = res.frame.query("observation == 'concentration' and param == 0.25 and loop == 3")
+    mean = res.frame.query(
+        "observation == 'concentration' and metric == 'share' and param == 0.25 and loop == 3"
+    )
     assert share.loc[0.25, 3] == pytest.approx(mean.value.mean())
 
 

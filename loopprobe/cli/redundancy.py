@@ -24,6 +24,7 @@ HEADLINE = (
     ("extrapolation", "err_linear"),
     ("extrapolation", "err_oracle"),
     ("concentration", "share"),
+    ("concentration", "share_oracle"),
     ("attention", "captured"),
     ("attention", "recall"),
     ("quantization", "ratio"),
