@@ -34,8 +34,12 @@ def ids(B: int = 2, T: int = 6, vocab: int = 11) -> torch.Tensor:
     return torch.randint(vocab, (B, T), generator=torch.Generator().manual_seed(1))
 
 
-def numpy_looped_gpt(model: lp.models.LoopedGPT, idx: torch.Tensor):
-    """The pre-norm LoopedGPT written out in numpy: per-loop block outputs, K, V, probs."""
+def numpy_looped_gpt(model: lp.models.LoopedGPT, idx: torch.Tensor, lazy: float | None = None):
+    """The pre-norm LoopedGPT written out in numpy: per-loop block outputs, K, V, probs.
+
+    ``lazy=f``: from loop 3 on, only the top ceil(f T) tokens (the last one always) by the
+    previous loop's change score keep their new block outputs; the others keep loop t-1's.
+    """
     W = {n: p.detach().numpy() for n, p in model.named_parameters()}
     cfg = model.cfg
     B, T = idx.shape
@@ -51,7 +55,18 @@ def numpy_looped_gpt(model: lp.models.LoopedGPT, idx: torch.Tensor):
     h = W["tok_emb.weight"][idx.numpy()] + W["pos_emb.weight"][:T]
     states = {f"blocks.{k}": [] for k in range(cfg.K)}
     kv = {f"blocks.{k}.attn.f": [] for k in range(cfg.K)}
-    for _ in range(cfg.R):
+    rounds = []
+    for r in range(cfg.R):
+        keep = np.ones((B, T), bool)
+        if lazy is not None and r >= 2:
+            a, b = rounds[-2], rounds[-1]
+            keep[:] = False
+            for s in range(B):
+                score = [
+                    np.linalg.norm(b[s, i] - a[s, i]) / np.linalg.norm(b[s, i]) for i in range(T)
+                ]
+                score[-1] = math.inf
+                keep[s, sorted(range(T), key=lambda i: -score[i])[: math.ceil(lazy * T)]] = True
         for k in range(cfg.K):
             b, eps = f"blocks.{k}.", model.blocks[k].attn.eps
             u = rms(h, W[b + "attn.norm.weight"])
@@ -64,8 +79,11 @@ def numpy_looped_gpt(model: lp.models.LoopedGPT, idx: torch.Tensor):
             h = h + eps * (y @ W[b + "attn.f.o.weight"].T)
             u = rms(h, W[b + "mlp.norm.weight"]) @ W[b + "mlp.f.fc1.weight"].T
             h = h + eps * ((0.5 * u * (1 + erf(u / math.sqrt(2)))) @ W[b + "mlp.f.fc2.weight"].T)
+            if not keep.all():
+                h = np.where(keep[..., None], h, states[f"blocks.{k}"][-1])
             states[f"blocks.{k}"].append(h.copy())
             kv[f"blocks.{k}.attn.f"].append((kk, v, p))
+        rounds.append(h.copy())
     logits = rms(h, W["final_norm.weight"]) @ W["tok_emb.weight"].T
     return states, kv, logits
 
@@ -170,6 +188,49 @@ def test_a_looped_torch_encoder_layer_has_its_attention_recognised_and_a_bypasse
     assert set(res.frame.observation) >= {"attention", "quantization"}
     case.model.eval()  # no fused fast path: the hooks see self_attn in eval mode too
     assert redundancy(case.model, case.inputs).attention == {"layer.self_attn": 3}
+
+
+def test_lazy_update_matches_the_numpy_loop_that_freezes_the_quiet_tokens_by_hand():
+    from loopprobe.redundancy_lazy import lazy_update
+
+    model, idx = tiny_gpt(), ids()
+    targets = ids().roll(1, dims=1)
+    df = lazy_update(model, idx, fractions=(0.25, 0.5, 1.0), targets=targets).set_index("f")
+    _, _, dense = numpy_looped_gpt(model, idx)
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    def ce(x):
+        lp_ = log_softmax(x).reshape(-1, x.shape[-1])
+        return -lp_[np.arange(lp_.shape[0]), targets.numpy().ravel()].mean()
+
+    for f in (0.25, 0.5):
+        _, _, lazy = numpy_looped_gpt(model, idx, lazy=f)
+        P, Q = log_softmax(dense), log_softmax(lazy)
+        assert df.loc[f, "kl"] == pytest.approx((np.exp(P) * (P - Q)).sum(-1).mean(), rel=1e-9)
+        want = np.linalg.norm(lazy - dense) / np.linalg.norm(dense)
+        assert df.loc[f, "rel_change"] == pytest.approx(want, rel=1e-9)
+        assert df.loc[f, "loss_change"] == pytest.approx(ce(lazy) - ce(dense), rel=1e-9)
+        kept = math.ceil(f * 6)  # of 6 tokens, in loops 3 and 4 of 4, in both blocks
+        assert df.loc[f, "saved"] == pytest.approx((6 - kept) / 6 * 2 / 4)
+    assert df.loc[1.0, ["kl", "rel_change", "saved", "loss_change"]].tolist() == [0, 0, 0, 0]
+
+
+def test_lazy_update_leaves_the_model_unchanged_and_rejects_bad_arguments():
+    from loopprobe.redundancy_lazy import lazy_update
+
+    model, idx = tiny_gpt(R=3), ids()
+    before = snapshot(model)
+    lazy_update(model, idx)
+    assert_unchanged(before, model)
+    with pytest.raises(ValueError, match=r"lazy_update: start=2 must be an integer >= 3"):
+        lazy_update(model, idx, start=2)
+    with pytest.raises(ValueError, match=r"lazy_update: fractions=\(1.5,\) must lie in"):
+        lazy_update(model, idx, fractions=(1.5,))
+    with pytest.raises(ValueError, match=r"lazy_update: the layers are visited unequally"):
+        lazy_update(model, idx, layers=["blocks.0", "final_norm"])
 
 
 # --------------------------------------------------------------------------- known answers
