@@ -93,3 +93,20 @@ def plot_similarity(df: pd.DataFrame, *, metric: str = "rel_reuse", ax: Any = No
     sns.lineplot(rows, x="loop", y="value", hue="tensor", marker="o", ax=ax)
     ax.set(ylabel=metric, title="adjacent-loop similarity")
     return ax
+
+
+def plot_lazy(df: pd.DataFrame, *, y: str = "kl", hue: str | None = None, ax: Any = None) -> Any:
+    """Output change (``kl``, ``rel_change`` or ``loss_change``) vs the work saved, one point
+    per kept fraction f, from :func:`loopprobe.redundancy_lazy.lazy_update`'s frame."""
+    import seaborn as sns
+
+    if df.empty or y not in df or "saved" not in df:
+        raise ValueError(
+            f"plot_lazy: the frame needs the columns 'saved' and {y!r}; pass lazy_update's frame"
+        )
+    ax = _axes(ax)
+    sns.lineplot(df, x="saved", y=y, hue=hue, marker="o", ax=ax)
+    for row in df.itertuples():
+        ax.annotate(f"f={row.f:g}", (row.saved, getattr(row, y)), fontsize=7)
+    ax.set(xlabel="token-layer updates saved", ylabel=y, title="lazy token update")
+    return ax

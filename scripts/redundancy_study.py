@@ -4,8 +4,9 @@ A LoopedGPT (K=2 blocks, R=4 loops, d=64, 4 heads, pre-norm) is trained on byte-
 Python source (lp.tasks.stdlib_text, seq 64, batch 16, AdamW 3e-3) for ``--steps`` (500) steps; at
 init and after training, ``lp.redundancy`` is measured on one held-out batch (4 x 64 tokens,
 float64 copy of the model) and its summary (mean over the two blocks / attention modules,
-per loop) is written to the CSV with the columns ``model`` (``init`` / ``trained``) and
-``seed``.
+per loop) and the lazy-update simulation (observation ``lazy``, param = kept fraction f,
+cross-entropy against the batch's next bytes) are written to the CSV with the columns
+``model`` (``init`` / ``trained``) and ``seed``.
 
     python scripts/redundancy_study.py                     # seeds 0, 1: ~2 CPU-minutes
     python scripts/redundancy_study.py --steps 20 --out /tmp/x.csv   # a smoke test
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from loopprobe import tasks
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.redundancy import redundancy
+from loopprobe.redundancy_lazy import lazy_update
 
 T, BATCH = 64, 16
 
@@ -56,13 +58,17 @@ def train(model: LoopedGPT, steps: int, seed: int) -> None:
 
 
 def measure(model: LoopedGPT, label: str, seed: int) -> pd.DataFrame:
-    x, _ = tasks.stdlib_text(4, T, torch.Generator().manual_seed(seed + 2000), split="val")
-    res = redundancy(copy.deepcopy(model).double(), x)
+    x, y = tasks.stdlib_text(4, T, torch.Generator().manual_seed(seed + 2000), split="val")
+    m = copy.deepcopy(model).double()
+    res = redundancy(m, x)
     if not res.converged:
         print(f"{label}: not trustworthy: {res.reason}")
     wide = res.summary().reset_index()
     long = wide.melt(id_vars=["observation", "tensor", "metric", "param"], var_name="loop")
-    return long.dropna(subset=["value"]).assign(model=label)
+    lazy = lazy_update(m, x, targets=y).melt(id_vars=["f"], var_name="metric")
+    lazy = lazy[lazy.metric != "loops"].rename(columns={"f": "param"})
+    lazy = lazy.assign(observation="lazy", tensor="logits", loop=0)
+    return pd.concat([long.dropna(subset=["value"]), lazy], ignore_index=True).assign(model=label)
 
 
 def main() -> None:

@@ -402,8 +402,9 @@ def test_cli_prints_the_compact_table_and_json_with_every_row(capsys):
     assert "layers (loops): {'blocks.0': 4, 'blocks.1': 4}" in text
     assert "concentration output share" in text and "quantization  K" in text
     assert "cos_median" not in text  # headline rows only without --all
-    assert main(["redundancy", "--seq-len", "8", "--batch", "1", "--json"]) == 0
+    assert main(["redundancy", "--seq-len", "8", "--batch", "1", "--json", "--lazy"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert [r["f"] for r in out["lazy"]] == [0.1, 0.25, 0.5, 1.0]
     assert out["converged"] and out["attention"] == {"blocks.0.attn.f": 4, "blocks.1.attn.f": 4}
     res = redundancy(
         lp.models.LoopedGPT(lp.models.GPTConfig(), generator=torch.Generator().manual_seed(0)),
@@ -431,7 +432,14 @@ def test_each_plot_draws_one_line_per_group_and_rejects_a_frame_without_its_rows
     assert {t.get_text() for t in ax.get_legend().get_texts()} >= {"K", "V", "2 bit", "4 bit"}
     assert len(rp.plot_attention(df).get_legend().get_texts()) == 3  # loops 2, 3, 4
     assert len(rp.plot_similarity(df).get_legend().get_texts()) == 3  # output, K, V
+    from loopprobe.redundancy_lazy import lazy_update
+
+    lazy = lazy_update(tiny_gpt(), ids(), fractions=(0.25, 1.0))
+    ax = rp.plot_lazy(lazy)
+    assert [t.get_text() for t in ax.texts] == ["f=0.25", "f=1"]
     plt.close("all")
+    with pytest.raises(ValueError, match="plot_lazy: the frame needs the columns 'saved'"):
+        rp.plot_lazy(df)
     hidden_only = df[df.tensor == "output"]
     with pytest.raises(ValueError, match="plot_quantization: the frame has no 'quantization'"):
         rp.plot_quantization(hidden_only)

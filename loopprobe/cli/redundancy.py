@@ -4,6 +4,7 @@ Example::
 
     loopprobe redundancy                          # untrained LoopedGPT (K=2, R=4, d=32)
     loopprobe redundancy --all                    # every metric, not the headline ones
+    loopprobe redundancy --lazy                   # + the lazy-update simulation (KL vs f)
     loopprobe redundancy --model mypkg.models:make --inputs mypkg.data:batch --json
 
 ``--model`` names a factory returning the model; ``--inputs`` a function ``fn(model)``
@@ -51,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=32, help="length of the default inputs")
     parser.add_argument("--group", type=int, default=64, help="quantization group size")
     parser.add_argument("--all", action="store_true", help="print every metric")
+    parser.add_argument(
+        "--lazy",
+        action="store_true",
+        help="also simulate the lazy token update (KL and saved work vs kept fraction f)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -102,17 +108,23 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(inputs, torch.Tensor):
         apply_threads(args, work(model, inputs))
     res = redundancy(model, inputs, group=args.group, seed=args.seed)
+    lazy = None
+    if args.lazy:
+        from loopprobe.redundancy_lazy import lazy_update
+
+        lazy = lazy_update(model, inputs, seed=args.seed)
     if args.json:
-        print_json(
-            {
-                "layers": res.layers,
-                "attention": res.attention,
-                "converged": res.converged,
-                "reason": res.reason,
-                "notes": res.notes,
-                "rows": res.frame.to_dict(orient="records"),
-            }
-        )
+        out = {
+            "layers": res.layers,
+            "attention": res.attention,
+            "converged": res.converged,
+            "reason": res.reason,
+            "notes": res.notes,
+            "rows": res.frame.to_dict(orient="records"),
+        }
+        if lazy is not None:
+            out["lazy"] = lazy.to_dict(orient="records")
+        print_json(out)
         return 0
     print(f"layers (loops): {res.layers}")
     print(f"attention (loops): {res.attention}")
@@ -121,4 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if not res.converged:
         print(f"not trustworthy: {res.reason}")
     print(table(res, args.all))
+    if lazy is not None:
+        print("lazy token update (loops >= 3 recompute the top f tokens):")
+        print(lazy.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     return 0
