@@ -331,7 +331,10 @@ def redundancy(
                     add("quantization", name, t, loop, r, float(b))
         probs = [c[2] for c in caps]
         if any(p is None for p in probs):
-            notes.append(f"attention {name}: the adapter gave no probabilities; no sparsity")
+            notes.append(
+                f"attention {name}: the adapter gave no probabilities (fused kernels return "
+                "none; Hugging Face: attn_implementation='eager'); no sparsity"
+            )
             continue
         for loop in range(2, len(caps) + 1):
             (_, v0, p0), (_, v1, p1) = caps[loop - 2], caps[loop - 1]

@@ -12,8 +12,10 @@ that triple, so a user's adapter for their own module is a few lines::
         return lp.redundancy_attention.attention_from_qkv(q, k, v, causal=True)
 
 Adapters are known for the reference models' ``CausalSelfAttention``, torch's
-``nn.MultiheadAttention`` and x-transformers' ``Attend`` (which returns its post-softmax
-probabilities); :func:`known_adapter` finds them. A module that is never called (a fused
+``nn.MultiheadAttention``, x-transformers' ``Attend`` (which returns its post-softmax
+probabilities) and Hugging Face BERT-family attention (``query``/``key``/``value``, e.g.
+ALBERT; probabilities with ``attn_implementation="eager"`` only); :func:`known_adapter`
+finds them. A module that is never called (a fused
 fast path that bypasses it, e.g. ``nn.TransformerEncoderLayer`` in eval mode) is noted.
 
 Attention-difference sparsity (FlashLoop's second observation): per query ``i`` and head,
@@ -111,6 +113,33 @@ def torch_multihead_attention(module: nn.Module, args: tuple, kwargs: dict, outp
     return k, v, s.softmax(dim=-1)
 
 
+def hf_qkv_attention(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> tuple:
+    """Adapter for Hugging Face BERT-family attention (``query``/``key``/``value`` Linears,
+    no rotary embedding, e.g. ALBERT): K and V recomputed from ``hidden_states``; the
+    probabilities are the module's returned attention weights, which only the ``eager``
+    implementation returns (``attn_implementation="eager"``), else ``None``."""
+    x = args[0] if args else kwargs["hidden_states"]
+    H, dh = module.num_attention_heads, module.attention_head_size
+
+    def heads(lin: nn.Linear) -> torch.Tensor:  # (B, T, H*dh) -> (B, H, T, dh)
+        y = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        return y.view(*x.shape[:-1], H, dh).transpose(1, 2)
+
+    probs = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+    if not isinstance(probs, torch.Tensor) or probs.shape[-1] != x.shape[-2]:
+        probs = None
+    return heads(module.key), heads(module.value), probs
+
+
+def _is_hf_qkv(module: nn.Module) -> bool:
+    return (
+        type(module).__module__.startswith("transformers.")
+        and all(isinstance(getattr(module, n, None), nn.Linear) for n in ("query", "key", "value"))
+        and isinstance(getattr(module, "num_attention_heads", None), int)
+        and isinstance(getattr(module, "attention_head_size", None), int)
+    )
+
+
 def known_adapter(module: nn.Module) -> Adapter | None:
     """The built-in adapter for ``module``'s class, or ``None``."""
     from loopprobe.models.layers import CausalSelfAttention
@@ -119,6 +148,8 @@ def known_adapter(module: nn.Module) -> Adapter | None:
         return looped_gpt_attention
     if isinstance(module, nn.MultiheadAttention):
         return torch_multihead_attention
+    if _is_hf_qkv(module):
+        return hf_qkv_attention
     cls = type(module)
     if cls.__name__ == "Attend" and cls.__module__.startswith("x_transformers"):
         return x_transformers_attend

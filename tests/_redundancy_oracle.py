@@ -161,6 +161,8 @@ def expected_rows(states: dict, kv: dict, fractions, key_fractions, bits, group)
             for b in bits:
                 for loop, r in enumerate(quantization(xs, b, group, t == "K"), 1):
                     put("quantization", name, t, loop, r, float(b))
+        if any(c[2] is None for c in caps):  # no probabilities, no sparsity
+            continue
         for loop in range(2, len(caps) + 1):
             (_, v0, p0), (_, v1, p1) = caps[loop - 2], caps[loop - 1]
             for f in key_fractions:

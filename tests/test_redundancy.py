@@ -88,6 +88,10 @@ def numpy_looped_gpt(model: lp.models.LoopedGPT, idx: torch.Tensor, lazy: float 
     return states, kv, logits
 
 
+def first_tensor(out):
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
 def frame_rows(res) -> dict:
     return {
         (r.observation, r.layer, r.tensor, r.loop, r.metric, r.param): r.value
@@ -231,6 +235,45 @@ def test_lazy_update_leaves_the_model_unchanged_and_rejects_bad_arguments():
         lazy_update(model, idx, fractions=(1.5,))
     with pytest.raises(ValueError, match=r"lazy_update: the layers are visited unequally"):
         lazy_update(model, idx, layers=["blocks.0", "final_norm"])
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_every_row_on_hf_albert_matches_numpy_from_its_returned_attentions(implementation):
+    from realmodels import make_albert
+
+    case = make_albert(R=3)
+    m = case.model
+    m.set_attn_implementation(implementation)
+    group = "encoder.albert_layer_groups.0"
+    attn = m.get_submodule(f"{group}.albert_layers.0.attention")
+    got: dict[str, list] = {"key": [], "value": [], "state": []}
+
+    def keep(name: str, pick=lambda out: out):
+        return lambda mod, args, out: got[name].append(pick(out).detach().numpy())
+
+    hooks = [getattr(attn, n).register_forward_hook(keep(n)) for n in ("key", "value")]
+    hooks.append(m.get_submodule(group).register_forward_hook(keep("state", first_tensor)))
+    with torch.no_grad():
+        probs = m(case.inputs, output_attentions=True).attentions  # HF's own, one per call
+    for h in hooks:
+        h.remove()
+    B, T, _ = got["key"][0].shape
+
+    def heads(x):
+        return x.reshape(B, T, 2, -1).transpose(0, 2, 1, 3)
+
+    if implementation == "sdpa":
+        assert not probs  # HF returns no attentions without the eager path
+        probs = [None] * 3
+    triples = zip(got["key"], got["value"], probs, strict=True)
+    attn_name = f"{group}.albert_layers.0.attention"
+    kv = {attn_name: [(heads(k), heads(v), p if p is None else p.numpy()) for k, v, p in triples]}
+    want = oracle.expected_rows({group: got["state"]}, kv, FR, KFR, BITS, GROUP)
+    res = redundancy(m, case.inputs, fractions=FR, key_fractions=KFR, bits=BITS, group=GROUP)
+    if implementation == "sdpa":  # no probabilities: no sparsity rows, and a note
+        assert "gave no probabilities" in res.notes[0]
+    assert_rows_match(frame_rows(res), want, rtol=1e-8)
+    assert res.attention == {attn_name: 3}
 
 
 # --------------------------------------------------------------------------- known answers
