@@ -45,11 +45,16 @@ def _first(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out[0]
 
 
-def _active(prev2: torch.Tensor, prev1: torch.Tensor, f: float, keep_last: bool) -> torch.Tensor:
-    """``(B, T)`` mask of the top ``ceil(f T)`` tokens by the change score, per sequence."""
+def _active(
+    prev2: torch.Tensor, prev1: torch.Tensor, f: float, keep_last: bool, gen: torch.Generator | None
+) -> torch.Tensor:
+    """``(B, T)`` mask of the top ``ceil(f T)`` tokens by the change score, per sequence
+    (by a uniform random score drawn from ``gen`` when it is given)."""
     change = (prev1 - prev2).double().norm(dim=-1)
     size = prev1.double().norm(dim=-1)
     score = torch.where(size > 0, change / torch.where(size > 0, size, 1.0), math.inf)
+    if gen is not None:
+        score = torch.rand(score.shape, generator=gen, dtype=score.dtype).to(score.device)
     if keep_last:
         score[..., -1] = math.inf
     top = max(1, math.ceil(f * score.shape[-1]))
@@ -65,6 +70,7 @@ def _run(
     f: float | None,
     start: int,
     keep_last: bool,
+    gen: torch.Generator | None,
     forward: Callable | None,
     output: Callable | None,
     seed: int | None,
@@ -89,7 +95,7 @@ def _run(
             counts[1] += h.shape[0] * h.shape[1]
             if f is not None and t >= start and len(loop_out) >= 2:
                 if t not in mask:
-                    mask[t] = _active(loop_out[-2], loop_out[-1], f, keep_last)
+                    mask[t] = _active(loop_out[-2], loop_out[-1], f, keep_last, gen)
                 keep = mask[t]
                 counts[0] += int((~keep).sum())
                 h = torch.where(keep[..., None], h, seen[name][-1])
@@ -121,6 +127,7 @@ def lazy_update(
     layers: Sequence[str] | None = None,
     targets: torch.Tensor | None = None,
     keep_last: bool = True,
+    select: str = "score",
     forward: Callable | None = None,
     output: Callable | None = None,
     seed: int | None = 0,
@@ -130,6 +137,9 @@ def lazy_update(
     ``layers``: the per-loop state modules as in :func:`loopprobe.redundancy.redundancy`
     (each visited once per loop). ``start``: the first lazy loop (1-based; FlashLoop: 3).
     ``targets``: token ids for ``loss_change`` (cross-entropy of ``F`` flattened).
+    ``select``: ``score`` (FlashLoop's change score) or ``random`` (the same number of
+    tokens drawn uniformly from a generator seeded with ``seed``: the baseline the score
+    has to beat).
     The model is not changed (forward hooks for one call each, removed on exit).
     """
     from loopprobe.redundancy import default_layers
@@ -141,13 +151,15 @@ def lazy_update(
         raise ValueError(
             f"{call}: start={start!r} must be an integer >= 3 (the score needs two loops)"
         )
+    if select not in ("score", "random"):
+        raise ValueError(f"{call}: select={select!r} must be 'score' or 'random'")
     layers = default_layers(model) if layers is None else list(layers)
     probe = Probe(model, layers)
     subs = [s for s in probe.sublayers(inputs, forward=forward, seed=seed) if s.role == "body"]
     named = dict(model.named_modules())
     modules = {s.name: [named[m] for m in s.modules] for s in subs}
     run = (model, inputs, modules)
-    dense, sequence, _, _ = _run(*run, None, None, start, keep_last, forward, output, seed)
+    dense, sequence, _, _ = _run(*run, None, None, start, keep_last, None, forward, output, seed)
     per_layer = {n: sequence.count(n) for n in modules}
     if len(set(per_layer.values())) != 1:
         raise ValueError(
@@ -157,10 +169,12 @@ def lazy_update(
     order = sequence[: len(modules)]  # call order within a round
     rows = []
     for f in fractions:
-        lazy, _, frozen, total = _run(*run, order, f, start, keep_last, forward, output, seed)
+        gen = torch.Generator().manual_seed(seed or 0) if select == "random" else None
+        lazy, _, frozen, total = _run(*run, order, f, start, keep_last, gen, forward, output, seed)
         p, q = dense.log_softmax(-1), lazy.log_softmax(-1)
         row = {
             "f": float(f),
+            "select": select,
             "kl": float((p.exp() * (p - q)).sum(-1).mean()),
             "rel_change": float((lazy - dense).norm() / dense.norm()),
             "saved": frozen / total,

@@ -5,7 +5,8 @@ Python source (lp.tasks.stdlib_text, seq 64, batch 16, AdamW 3e-3) for ``--steps
 init and after training, ``lp.redundancy`` is measured on one held-out batch (4 x 64 tokens,
 float64 copy of the model) and its summary (mean over the two blocks / attention modules,
 per loop) and the lazy-update simulation (observation ``lazy``, param = kept fraction f,
-cross-entropy against the batch's next bytes) are written to the CSV with the columns
+tensor = ``score`` (FlashLoop's selection) or ``random`` (the baseline), cross-entropy
+against the batch's next bytes) are written to the CSV with the columns
 ``model`` (``init`` / ``trained``) and ``seed``.
 
     python scripts/redundancy_study.py                     # seeds 0, 1: ~2 CPU-minutes
@@ -65,9 +66,10 @@ def measure(model: LoopedGPT, label: str, seed: int) -> pd.DataFrame:
         print(f"{label}: not trustworthy: {res.reason}")
     wide = res.summary().reset_index()
     long = wide.melt(id_vars=["observation", "tensor", "metric", "param"], var_name="loop")
-    lazy = lazy_update(m, x, targets=y).melt(id_vars=["f"], var_name="metric")
-    lazy = lazy[lazy.metric != "loops"].rename(columns={"f": "param"})
-    lazy = lazy.assign(observation="lazy", tensor="logits", loop=0)
+    lazy = pd.concat([lazy_update(m, x, targets=y, select=how) for how in ("score", "random")])
+    lazy = lazy.drop(columns="loops").rename(columns={"f": "param", "select": "tensor"})
+    lazy = lazy.melt(id_vars=["param", "tensor"], var_name="metric").assign(observation="lazy")
+    lazy = lazy.assign(loop=0)
     return pd.concat([long.dropna(subset=["value"]), lazy], ignore_index=True).assign(model=label)
 
 

@@ -222,6 +222,21 @@ def test_lazy_update_matches_the_numpy_loop_that_freezes_the_quiet_tokens_by_han
     assert df.loc[1.0, ["kl", "rel_change", "saved", "loss_change"]].tolist() == [0, 0, 0, 0]
 
 
+def test_random_selection_freezes_as_many_tokens_but_other_ones_without_drawing_from_torch():
+    from loopprobe.redundancy_lazy import lazy_update
+
+    model, idx = tiny_gpt(), ids()
+    rng = torch.get_rng_state()
+    by_score = lazy_update(model, idx, fractions=(0.25, 0.5, 1.0))
+    by_chance = lazy_update(model, idx, fractions=(0.25, 0.5, 1.0), select="random")
+    assert torch.equal(rng, torch.get_rng_state())
+    assert by_chance.saved.tolist() == by_score.saved.tolist()
+    assert list(by_chance["select"]) == ["random"] * 3
+    assert by_chance.kl.iloc[-1] == 0.0 and (by_chance.kl.iloc[:2] != by_score.kl.iloc[:2]).all()
+    again = lazy_update(model, idx, fractions=(0.25, 0.5, 1.0), select="random")
+    assert again.kl.tolist() == by_chance.kl.tolist()  # seeded: the same draw
+
+
 def test_lazy_update_leaves_the_model_unchanged_and_rejects_bad_arguments():
     from loopprobe.redundancy_lazy import lazy_update
 
@@ -233,6 +248,8 @@ def test_lazy_update_leaves_the_model_unchanged_and_rejects_bad_arguments():
         lazy_update(model, idx, start=2)
     with pytest.raises(ValueError, match=r"lazy_update: fractions=\(1.5,\) must lie in"):
         lazy_update(model, idx, fractions=(1.5,))
+    with pytest.raises(ValueError, match=r"lazy_update: select='top' must be 'score' or"):
+        lazy_update(model, idx, select="top")
     with pytest.raises(ValueError, match=r"lazy_update: the layers are visited unequally"):
         lazy_update(model, idx, layers=["blocks.0", "final_norm"])
 
