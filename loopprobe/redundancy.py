@@ -16,7 +16,9 @@ frames). From these, with the definitions of the authors' reference code:
 - **concentration** (observation 1): per token ``s_i = ||h_t,i - h_{t-1},i|| / ||h_t,i||`` on
   the layer output; the share of the squared change ``sum ||h_t,i - h_{t-1},i||^2`` carried
   by the top ``ceil(f T)`` tokens by ``s_i`` (``share``; ``share_oracle``: the top tokens by
-  the change itself), per sequence, averaged over the batch (a uniform change gives ``f``);
+  the change itself; ``share_prev``, loops >= 3: the top tokens by the *previous* loop's
+  score, which is what a lazy update can know), per sequence, averaged over the batch (a
+  uniform change gives ``f``);
 - **attention** (observation 2) and **quantization** (observation 3): see
   :func:`loopprobe.redundancy_attention.sparsity` and
   :func:`loopprobe.redundancy_quant.residual_quantization`.
@@ -105,15 +107,28 @@ def extrapolation(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> dict[str
     }
 
 
-def concentration(
-    prev: torch.Tensor, cur: torch.Tensor, fractions: Sequence[float]
-) -> dict[float, dict[str, float]]:
-    """Per ``f``: ``share`` of the squared change carried by the top ``ceil(f T)`` tokens by
-    ``s_i``, and ``share_oracle`` by the top tokens by the change itself (its upper bound)."""
-    prev, cur = prev.double(), cur.double()
+def change_score(prev: torch.Tensor, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token ``||cur - prev||`` and ``s = ||cur - prev|| / ||cur||`` (inf where cur = 0)."""
     change = (cur - prev).norm(dim=-1)  # (B, T)
     size = cur.norm(dim=-1)
-    score = torch.where(size > 0, change / torch.where(size > 0, size, 1.0), math.inf)
+    return change, torch.where(size > 0, change / torch.where(size > 0, size, 1.0), math.inf)
+
+
+def concentration(
+    prev: torch.Tensor,
+    cur: torch.Tensor,
+    fractions: Sequence[float],
+    before: torch.Tensor | None = None,
+) -> dict[float, dict[str, float]]:
+    """Per ``f``, the share of the squared change ``prev -> cur`` carried by the top
+    ``ceil(f T)`` tokens: by its own score ``s_i`` (``share``), by the change itself
+    (``share_oracle``, the upper bound) and, given the loop ``before``, by the previous
+    change's score (``share_prev``: the tokens a lazy update picks before computing)."""
+    prev, cur = prev.double(), cur.double()
+    change, score = change_score(prev, cur)
+    keys = {"share": score, "share_oracle": change}
+    if before is not None:
+        keys["share_prev"] = change_score(before.double(), prev)[1]
     total = (change**2).sum(-1)
     live = total > 0
     T = cur.shape[-2]
@@ -121,7 +136,7 @@ def concentration(
     for f in fractions:
         top = max(1, math.ceil(f * T))
         out[float(f)] = {}
-        for name, key in (("share", score), ("share_oracle", change)):
+        for name, key in keys.items():
             order = key.argsort(dim=-1, descending=True, stable=True)[..., :top]
             share = (change.gather(-1, order) ** 2).sum(-1)[live] / total[live]
             out[float(f)][name] = float(share.mean()) if share.numel() else math.nan
@@ -361,5 +376,6 @@ def _hidden_rows(add: Callable, name: str, tensor: str, hs: list, fractions: Seq
         add("similarity", name, tensor, loop, similarity(a, b))
         if loop >= 3:
             add("extrapolation", name, tensor, loop, extrapolation(hs[loop - 3], a, b))
-        for f, shares in concentration(a, b, fractions).items():
+        before = hs[loop - 3] if loop >= 3 else None
+        for f, shares in concentration(a, b, fractions, before).items():
             add("concentration", name, tensor, loop, shares, f)

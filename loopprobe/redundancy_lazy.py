@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loopprobe.redundancy import change_score, default_layers
 from loopprobe.visits import Probe, call_model, pick_output, seeded
 
 FRACTIONS = (0.1, 0.25, 0.5, 1.0)
@@ -50,9 +51,7 @@ def _active(
 ) -> torch.Tensor:
     """``(B, T)`` mask of the top ``ceil(f T)`` tokens by the change score, per sequence
     (by a uniform random score drawn from ``gen`` when it is given)."""
-    change = (prev1 - prev2).double().norm(dim=-1)
-    size = prev1.double().norm(dim=-1)
-    score = torch.where(size > 0, change / torch.where(size > 0, size, 1.0), math.inf)
+    score = change_score(prev2.double(), prev1.double())[1]
     if gen is not None:
         score = torch.rand(score.shape, generator=gen, dtype=score.dtype).to(score.device)
     if keep_last:
@@ -142,8 +141,6 @@ def lazy_update(
     has to beat).
     The model is not changed (forward hooks for one call each, removed on exit).
     """
-    from loopprobe.redundancy import default_layers
-
     call = "lazy_update"
     if not fractions or any(not isinstance(f, (int, float)) or not 0 < f <= 1 for f in fractions):
         raise ValueError(f"{call}: fractions={fractions!r} must lie in (0, 1], e.g. (0.1, 0.5)")

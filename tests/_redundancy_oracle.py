@@ -53,20 +53,27 @@ def extrapolation(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> dict:
     }
 
 
-def concentration(prev: np.ndarray, cur: np.ndarray, f: float) -> dict:
-    shares, oracle = [], []
+def concentration(prev: np.ndarray, cur: np.ndarray, f: float, before=None) -> dict:
+    out: dict[str, list] = {"share": [], "share_oracle": [], "share_prev": []}
     for s in range(cur.shape[0]):
         T = cur.shape[1]
         change = [np.linalg.norm(cur[s, t] - prev[s, t]) for t in range(T)]
-        score = [change[t] / np.linalg.norm(cur[s, t]) for t in range(T)]
+        rank = {
+            "share": [change[t] / np.linalg.norm(cur[s, t]) for t in range(T)],
+            "share_oracle": change,
+        }
+        if before is not None:
+            rank["share_prev"] = [
+                np.linalg.norm(prev[s, t] - before[s, t]) / np.linalg.norm(prev[s, t])
+                for t in range(T)
+            ]
         k = max(1, math.ceil(f * T))
-        top = sorted(range(T), key=lambda t: -score[t])[:k]
-        best = sorted(range(T), key=lambda t: -change[t])[:k]
         total = sum(c * c for c in change)
-        if total > 0:
-            shares.append(sum(change[t] ** 2 for t in top) / total)
-            oracle.append(sum(change[t] ** 2 for t in best) / total)
-    return {"share": np.mean(shares), "share_oracle": np.mean(oracle)}
+        for name, key in rank.items():
+            top = sorted(range(T), key=lambda t, key=key: -key[t])[:k]
+            if total > 0:
+                out[name].append(sum(change[t] ** 2 for t in top) / total)
+    return {name: np.mean(v) for name, v in out.items() if v}
 
 
 def sparsity(p0, v0, p1, v1, f: float) -> tuple[float, float]:
@@ -150,7 +157,8 @@ def expected_rows(states: dict, kv: dict, fractions, key_fractions, bits, group)
             if t >= 3:
                 put("extrapolation", layer, tensor, t, extrapolation(hs[t - 3], a, b))
             for f in fracs:
-                put("concentration", layer, tensor, t, concentration(a, b, f), f)
+                before = hs[t - 3] if t >= 3 else None
+                put("concentration", layer, tensor, t, concentration(a, b, f, before), f)
 
     for layer, hs in states.items():
         hidden(layer, "output", hs, fractions)

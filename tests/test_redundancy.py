@@ -119,7 +119,7 @@ def test_every_row_on_a_tiny_looped_gpt_matches_a_numpy_loop_written_from_its_we
     np.testing.assert_allclose(logits, model(idx).detach().numpy(), rtol=1e-10, atol=1e-12)
     res = redundancy(model, idx, fractions=FR, key_fractions=KFR, bits=BITS, group=GROUP)
     want = oracle.expected_rows(states, kv, FR, KFR, BITS, GROUP)
-    assert len(want) == len(res.frame) == 2 * (18 + 12 + 18) + 2 * (2 * (18 + 12) + 2 * 24 + 24)
+    assert len(want) == len(res.frame) == 2 * (18 + 12 + 18 + 6) + 2 * (2 * (18 + 12) + 2 * 24 + 24)
     assert_rows_match(frame_rows(res), want)
     assert res.converged and res.notes == [] and res.layers == {"blocks.0": 4, "blocks.1": 4}
 

@@ -26,6 +26,7 @@ HEADLINE = (
     ("extrapolation", "err_oracle"),
     ("concentration", "share"),
     ("concentration", "share_oracle"),
+    ("concentration", "share_prev"),
     ("attention", "captured"),
     ("attention", "recall"),
     ("quantization", "ratio"),
