@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopprobe.redundancy import change_score, default_layers
+from loopprobe.redundancy import default_layers
+from loopprobe.redundancy_metrics import change_score
 from loopprobe.visits import Probe, call_model, pick_output, seeded
 
 FRACTIONS = (0.1, 0.25, 0.5, 1.0)
