@@ -1,6 +1,8 @@
 """Brute-force twins of loopprobe.redundancy in plain numpy loops (tests only).
 
-Every function restates a definition of issue 15 / FlashLoop element by element (Python
+``numpy_looped_gpt`` re-implements the pre-norm LoopedGPT from its weights (an explicit,
+untied loop, optionally freezing tokens as the lazy update does). Every other function
+restates a definition of issue 15 / FlashLoop element by element (Python
 loops over sequences, tokens, queries and quantization groups), shares no code with the
 library, and returns the rows ``lp.redundancy`` should report as a dict
 ``(observation, layer, tensor, loop, metric, param) -> value``.
@@ -13,6 +15,60 @@ import math
 import numpy as np
 
 NAN = float("nan")
+
+
+def numpy_looped_gpt(model, idx, lazy: float | None = None):
+    """The pre-norm LoopedGPT written out in numpy: per-loop block outputs, K, V, probs.
+
+    ``lazy=f``: from loop 3 on, only the top ceil(f T) tokens (the last one always) by the
+    previous loop's change score keep their new block outputs; the others keep loop t-1's.
+    """
+    W = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    cfg = model.cfg
+    B, T = idx.shape
+    H, dh = cfg.n_heads, cfg.d_model // cfg.n_heads
+    erf = np.vectorize(math.erf)
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
+
+    def heads(x):
+        return x.reshape(B, T, H, dh).transpose(0, 2, 1, 3)
+
+    h = W["tok_emb.weight"][idx.numpy()] + W["pos_emb.weight"][:T]
+    states = {f"blocks.{k}": [] for k in range(cfg.K)}
+    kv = {f"blocks.{k}.attn.f": [] for k in range(cfg.K)}
+    rounds = []
+    for r in range(cfg.R):
+        keep = np.ones((B, T), bool)
+        if lazy is not None and r >= 2:
+            a, b = rounds[-2], rounds[-1]
+            keep[:] = False
+            for s in range(B):
+                score = [
+                    np.linalg.norm(b[s, i] - a[s, i]) / np.linalg.norm(b[s, i]) for i in range(T)
+                ]
+                score[-1] = math.inf
+                keep[s, sorted(range(T), key=lambda i: -score[i])[: math.ceil(lazy * T)]] = True
+        for k in range(cfg.K):
+            b, eps = f"blocks.{k}.", model.blocks[k].attn.eps
+            u = rms(h, W[b + "attn.norm.weight"])
+            q, kk, v = (heads(u @ W[b + f"attn.f.{n}.weight"].T) for n in "qkv")
+            s = q @ kk.transpose(0, 1, 3, 2) / math.sqrt(dh)
+            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, H * dh)
+            h = h + eps * (y @ W[b + "attn.f.o.weight"].T)
+            u = rms(h, W[b + "mlp.norm.weight"]) @ W[b + "mlp.f.fc1.weight"].T
+            h = h + eps * ((0.5 * u * (1 + erf(u / math.sqrt(2)))) @ W[b + "mlp.f.fc2.weight"].T)
+            if not keep.all():
+                h = np.where(keep[..., None], h, states[f"blocks.{k}"][-1])
+            states[f"blocks.{k}"].append(h.copy())
+            kv[f"blocks.{k}.attn.f"].append((kk, v, p))
+        rounds.append(h.copy())
+    logits = rms(h, W["final_norm.weight"]) @ W["tok_emb.weight"].T
+    return states, kv, logits
 
 
 def kv_tokens(x: np.ndarray) -> np.ndarray:

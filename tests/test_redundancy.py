@@ -34,60 +34,6 @@ def ids(B: int = 2, T: int = 6, vocab: int = 11) -> torch.Tensor:
     return torch.randint(vocab, (B, T), generator=torch.Generator().manual_seed(1))
 
 
-def numpy_looped_gpt(model: lp.models.LoopedGPT, idx: torch.Tensor, lazy: float | None = None):
-    """The pre-norm LoopedGPT written out in numpy: per-loop block outputs, K, V, probs.
-
-    ``lazy=f``: from loop 3 on, only the top ceil(f T) tokens (the last one always) by the
-    previous loop's change score keep their new block outputs; the others keep loop t-1's.
-    """
-    W = {n: p.detach().numpy() for n, p in model.named_parameters()}
-    cfg = model.cfg
-    B, T = idx.shape
-    H, dh = cfg.n_heads, cfg.d_model // cfg.n_heads
-    erf = np.vectorize(math.erf)
-
-    def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * w
-
-    def heads(x):
-        return x.reshape(B, T, H, dh).transpose(0, 2, 1, 3)
-
-    h = W["tok_emb.weight"][idx.numpy()] + W["pos_emb.weight"][:T]
-    states = {f"blocks.{k}": [] for k in range(cfg.K)}
-    kv = {f"blocks.{k}.attn.f": [] for k in range(cfg.K)}
-    rounds = []
-    for r in range(cfg.R):
-        keep = np.ones((B, T), bool)
-        if lazy is not None and r >= 2:
-            a, b = rounds[-2], rounds[-1]
-            keep[:] = False
-            for s in range(B):
-                score = [
-                    np.linalg.norm(b[s, i] - a[s, i]) / np.linalg.norm(b[s, i]) for i in range(T)
-                ]
-                score[-1] = math.inf
-                keep[s, sorted(range(T), key=lambda i: -score[i])[: math.ceil(lazy * T)]] = True
-        for k in range(cfg.K):
-            b, eps = f"blocks.{k}.", model.blocks[k].attn.eps
-            u = rms(h, W[b + "attn.norm.weight"])
-            q, kk, v = (heads(u @ W[b + f"attn.f.{n}.weight"].T) for n in "qkv")
-            s = q @ kk.transpose(0, 1, 3, 2) / math.sqrt(dh)
-            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            p /= p.sum(-1, keepdims=True)
-            y = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, H * dh)
-            h = h + eps * (y @ W[b + "attn.f.o.weight"].T)
-            u = rms(h, W[b + "mlp.norm.weight"]) @ W[b + "mlp.f.fc1.weight"].T
-            h = h + eps * ((0.5 * u * (1 + erf(u / math.sqrt(2)))) @ W[b + "mlp.f.fc2.weight"].T)
-            if not keep.all():
-                h = np.where(keep[..., None], h, states[f"blocks.{k}"][-1])
-            states[f"blocks.{k}"].append(h.copy())
-            kv[f"blocks.{k}.attn.f"].append((kk, v, p))
-        rounds.append(h.copy())
-    logits = rms(h, W["final_norm.weight"]) @ W["tok_emb.weight"].T
-    return states, kv, logits
-
-
 def first_tensor(out):
     return out if isinstance(out, torch.Tensor) else out[0]
 
@@ -115,7 +61,7 @@ def assert_rows_match(got: dict, want: dict, rtol: float = 1e-9) -> None:
 
 def test_every_row_on_a_tiny_looped_gpt_matches_a_numpy_loop_written_from_its_weights():
     model, idx = tiny_gpt(), ids()
-    states, kv, logits = numpy_looped_gpt(model, idx)
+    states, kv, logits = oracle.numpy_looped_gpt(model, idx)
     np.testing.assert_allclose(logits, model(idx).detach().numpy(), rtol=1e-10, atol=1e-12)
     res = redundancy(model, idx, fractions=FR, key_fractions=KFR, bits=BITS, group=GROUP)
     want = oracle.expected_rows(states, kv, FR, KFR, BITS, GROUP)
@@ -200,7 +146,7 @@ def test_lazy_update_matches_the_numpy_loop_that_freezes_the_quiet_tokens_by_han
     model, idx = tiny_gpt(), ids()
     targets = ids().roll(1, dims=1)
     df = lazy_update(model, idx, fractions=(0.25, 0.5, 1.0), targets=targets).set_index("f")
-    _, _, dense = numpy_looped_gpt(model, idx)
+    _, _, dense = oracle.numpy_looped_gpt(model, idx)
 
     def log_softmax(x):
         x = x - x.max(-1, keepdims=True)
@@ -211,7 +157,7 @@ def test_lazy_update_matches_the_numpy_loop_that_freezes_the_quiet_tokens_by_han
         return -lp_[np.arange(lp_.shape[0]), targets.numpy().ravel()].mean()
 
     for f in (0.25, 0.5):
-        _, _, lazy = numpy_looped_gpt(model, idx, lazy=f)
+        _, _, lazy = oracle.numpy_looped_gpt(model, idx, lazy=f)
         P, Q = log_softmax(dense), log_softmax(lazy)
         assert df.loc[f, "kl"] == pytest.approx((np.exp(P) * (P - Q)).sum(-1).mean(), rel=1e-9)
         want = np.linalg.norm(lazy - dense) / np.linalg.norm(dense)
