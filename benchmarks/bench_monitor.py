@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import loopprobe as lp
-from loopprobe.monitor import Monitor
+from loopprobe.monitor.monitor import Monitor
 
 CLOCK = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = CLOCK["cpu"]
@@ -84,7 +84,7 @@ def main() -> None:
     model, opt, probe, loss_fn, train_step = setup()
     tb = tempfile.TemporaryDirectory()
     try:
-        from loopprobe.monitor_sinks import TensorBoardSink
+        from loopprobe.monitor.sinks import TensorBoardSink
 
         TensorBoardSink(f"{tb.name}/probe").close()
     except ImportError:

@@ -42,6 +42,8 @@ def cases(root: str) -> dict[str, list[str]]:
     out = {
         "import torch": py + ["-c", "import torch"],
         "import loopprobe": py + ["-c", "import loopprobe"],
+        "import loopprobe; lp.visit_alignment": py
+        + ["-c", "import loopprobe as lp; lp.visit_alignment"],
         "loopprobe theory --K 2 --R 4": py + ["-m", "loopprobe.cli", "theory", "--K=2", "--R=4"],
         "loopprobe --help": py + ["-m", "loopprobe.cli", "--help"],
     }
@@ -128,9 +130,11 @@ def main() -> None:
         print(line + ("   " + target if target else ""))
     for side in roots:
         torch_t = [t for t in times[(side, "import torch")]]
-        lp_t = times[(side, "import loopprobe")]
+        # since names load on first use, the honest figure is the first use of an estimator
+        key = "import loopprobe; lp.visit_alignment"
+        lp_t = times.get((side, key)) or times[(side, "import loopprobe")]
         beyond = statistics.median(a - b for a, b in zip(lp_t, torch_t, strict=True))
-        print(f"\n[{side}] import loopprobe beyond import torch: {beyond:.2f} s (target <= ~0.5 s)")
+        print(f"\n[{side}] {key} beyond import torch: {beyond:.2f} s (target <= ~0.5 s)")
     for side, root in roots.items():
         print(f"\n[{side}] python -X importtime -c 'import loopprobe': slowest imports made by")
         print("loopprobe's modules (depth 1-2; cumulative: what they import, torch excluded)")

@@ -20,6 +20,11 @@ Per round: ``fixed_point -> FixedPoint``, ``round_residuals -> RoundResiduals``,
 ``spectral_radius -> SpectralRadius``, ``input_dependence -> InputDependence``,
 ``finite_step -> FiniteStep``. Training health: ``instability -> Instability``.
 Scaling law: ``fit_recurrence_law`` (and :mod:`lp.scaling <loopprobe.estimate.scaling>`).
+Loop redundancy (FlashLoop's observations): ``redundancy -> Redundancy``.
+
+**Watch training** (:mod:`loopprobe.monitor`): ``Monitor(model, inputs, loss_fn, ...)``;
+``monitor.step(step)`` after ``optimizer.step()``; sinks for TensorBoard, files, callables;
+trainer callbacks in :mod:`loopprobe.integrations`.
 
 **Present**: :mod:`lp.plots <loopprobe.plots>` (figures from the tidy frames) and
 :mod:`loopprobe.report` (``loopprobe report``).
@@ -82,6 +87,10 @@ _NAMES = {
     "instability": "loopprobe.estimate.instability",
     "Instability": "loopprobe.estimate.instability",
     "fit_recurrence_law": "loopprobe.estimate.scaling",
+    "redundancy": "loopprobe.estimate.redundancy",
+    "Redundancy": "loopprobe.estimate.redundancy",
+    # watch training
+    "Monitor": "loopprobe.monitor.monitor",
     # around the layers
     "sweep": "loopprobe.sweeps",
     "grid": "loopprobe.sweeps",
@@ -101,6 +110,8 @@ _SUBMODULES = {
     "differentiate": "loopprobe.differentiate",
     "estimate": "loopprobe.estimate",
     "report": "loopprobe.report",
+    "monitor": "loopprobe.monitor",
+    "integrations": "loopprobe.integrations",
 }
 
 __all__ = ["__version__", *_NAMES, *_SUBMODULES]
@@ -143,9 +154,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.estimate.implicit import InputDependence, input_dependence
     from loopprobe.estimate.increments import Increments, increments
     from loopprobe.estimate.instability import Instability, instability
+    from loopprobe.estimate.redundancy import Redundancy, redundancy
     from loopprobe.estimate.scaling import fit_recurrence_law
     from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
     from loopprobe.estimate.updates import Updates, per_visit_updates
+    from loopprobe.monitor.monitor import Monitor
     from loopprobe.record.probe import Probe, attach
     from loopprobe.record.types import Recording
     from loopprobe.sweeps import grid, sweep

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from loopprobe import tasks
+from loopprobe.estimate.redundancy import redundancy
+from loopprobe.estimate.redundancy.lazy import lazy_update
 from loopprobe.models import GPTConfig, LoopedGPT
-from loopprobe.redundancy import redundancy
-from loopprobe.redundancy_lazy import lazy_update
 
 T, BATCH = 64, 16
 

@@ -1,4 +1,4 @@
-"""Brute-force twins of loopprobe.redundancy in plain numpy loops (tests only).
+"""Brute-force twins of loopprobe.estimate.redundancy in plain numpy loops (tests only).
 
 ``numpy_looped_gpt`` re-implements the pre-norm LoopedGPT from its weights (an explicit,
 untied loop, optionally freezing tokens as the lazy update does). Every other function

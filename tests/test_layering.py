@@ -140,7 +140,18 @@ def test_lp_plots_is_imported_on_first_use_and_then_is_the_plots_module():
 # The four layers, in order; a module may import its own layer and the ones before it.
 # Modules outside them (autodiff, linalg, sweeps, theory, tasks, models, _checks, ...) are
 # the ground every layer stands on and import no layer.
-LAYERS = ["record", "differentiate", "estimate", "experiments", "plots", "report", "testing", "cli"]
+LAYERS = [
+    "record",
+    "differentiate",
+    "estimate",
+    "experiments",
+    "plots",
+    "monitor",
+    "report",
+    "testing",
+    "integrations",
+    "cli",
+]
 
 
 def layer_of(module: str) -> int | None:

@@ -17,9 +17,9 @@ from _oracles import assert_unchanged, snapshot
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.monitor import COLUMNS, Monitor, dense_early
-from loopprobe.monitor_plots import kappa_vs_step, visit_heatmap
-from loopprobe.monitor_sinks import CallableSink, FileSink, TensorBoardSink, read_frame
+from loopprobe.monitor.monitor import COLUMNS, Monitor, dense_early
+from loopprobe.monitor.sinks import CallableSink, FileSink, TensorBoardSink, read_frame
+from loopprobe.plots.monitor import kappa_vs_step, visit_heatmap
 
 EVERYTHING = ["updates", "increments", "kappa", "sensitivity", "rho", "bound"]
 
@@ -362,7 +362,7 @@ def test_a_csv_file_sink_reads_back_as_the_same_frame(watched):
 
 
 def test_a_parquet_file_sink_needs_pyarrow_and_says_so(tmp_path):
-    from loopprobe.monitor_sinks import _parquet_engine
+    from loopprobe.monitor.sinks import _parquet_engine
 
     if not _parquet_engine():
         with pytest.raises(ImportError, match="pip install pyarrow"):
@@ -404,7 +404,7 @@ def test_kappa_vs_step_draws_kappa_and_loss_and_saves_with_pyplot(watched, tmp_p
 
 
 def test_importing_the_monitor_loads_neither_matplotlib_nor_tensorboard():
-    code = "import sys, loopprobe.monitor, loopprobe.monitor_sinks, loopprobe.monitor_plots\n"
+    code = "import sys, loopprobe.monitor.monitor, loopprobe.monitor.sinks\n"
     code += "print(sorted({m.split('.')[0] for m in sys.modules}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(eval(out.stdout))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import loopprobe as lp
-from loopprobe.monitor import Monitor
+from loopprobe.monitor.monitor import Monitor
 
 
 def last_kappa(mon: Monitor) -> float:

@@ -19,8 +19,8 @@ from thirdparty_models import ForLoopModel
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.redundancy import redundancy
-from loopprobe.redundancy_quant import fake_quant, residual_quantization
+from loopprobe.estimate.redundancy import redundancy
+from loopprobe.estimate.redundancy.quant import fake_quant, residual_quantization
 
 FR, KFR, BITS, GROUP = (0.1, 0.25, 0.5), (0.1, 0.2, 0.3, 0.5), (2, 4), 4
 
@@ -111,7 +111,7 @@ def test_every_row_on_x_transformers_looped_matches_numpy_from_the_tests_own_pro
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("mask", ["none", "bool", "float"])
 def test_the_multihead_attention_adapter_gives_torchs_own_per_head_probabilities(batch_first, mask):
-    from loopprobe.redundancy_attention import torch_multihead_attention
+    from loopprobe.estimate.redundancy.attention import torch_multihead_attention
 
     gen = torch.Generator().manual_seed(0)
     with torch.random.fork_rng():
@@ -141,7 +141,7 @@ def test_a_looped_torch_encoder_layer_has_its_attention_recognised_and_a_bypasse
 
 
 def test_lazy_update_matches_the_numpy_loop_that_freezes_the_quiet_tokens_by_hand():
-    from loopprobe.redundancy_lazy import lazy_update
+    from loopprobe.estimate.redundancy.lazy import lazy_update
 
     model, idx = tiny_gpt(), ids()
     targets = ids().roll(1, dims=1)
@@ -169,7 +169,7 @@ def test_lazy_update_matches_the_numpy_loop_that_freezes_the_quiet_tokens_by_han
 
 
 def test_random_selection_freezes_as_many_tokens_but_other_ones_without_drawing_from_torch():
-    from loopprobe.redundancy_lazy import lazy_update
+    from loopprobe.estimate.redundancy.lazy import lazy_update
 
     model, idx = tiny_gpt(), ids()
     rng = torch.get_rng_state()
@@ -184,7 +184,7 @@ def test_random_selection_freezes_as_many_tokens_but_other_ones_without_drawing_
 
 
 def test_lazy_update_leaves_the_model_unchanged_and_rejects_bad_arguments():
-    from loopprobe.redundancy_lazy import lazy_update
+    from loopprobe.estimate.redundancy.lazy import lazy_update
 
     model, idx = tiny_gpt(R=3), ids()
     before = snapshot(model)
@@ -291,7 +291,7 @@ def test_residual_quantization_of_a_repeated_tensor_wins_by_two_to_the_bits_minu
 
 
 def test_a_value_change_on_the_keys_every_query_favours_is_captured_whole_by_that_choice():
-    from loopprobe.redundancy_attention import sparsity
+    from loopprobe.estimate.redundancy.attention import sparsity
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.rand(1, 2, 5, 5, generator=gen, dtype=torch.float64)
@@ -429,23 +429,23 @@ def test_each_plot_draws_one_line_per_group_and_rejects_a_frame_without_its_rows
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from loopprobe import redundancy_plots as rp
+    from loopprobe.plots import redundancy as rp
 
     df = redundancy(tiny_gpt(), ids(), group=GROUP).to_frame()
-    ax = rp.plot_concentration(df)
+    ax = rp.token_concentration(df)
     assert len(ax.get_legend().get_texts()) == 3  # f = 0.1, 0.25, 0.5
-    ax = rp.plot_quantization(df)
+    ax = rp.kv_quantization(df)
     assert {t.get_text() for t in ax.get_legend().get_texts()} >= {"K", "V", "2 bit", "4 bit"}
-    assert len(rp.plot_attention(df).get_legend().get_texts()) == 3  # loops 2, 3, 4
-    assert len(rp.plot_similarity(df).get_legend().get_texts()) == 3  # output, K, V
-    from loopprobe.redundancy_lazy import lazy_update
+    assert len(rp.attention_sparsity(df).get_legend().get_texts()) == 3  # loops 2, 3, 4
+    assert len(rp.loop_similarity(df).get_legend().get_texts()) == 3  # output, K, V
+    from loopprobe.estimate.redundancy.lazy import lazy_update
 
     lazy = lazy_update(tiny_gpt(), ids(), fractions=(0.25, 1.0))
-    ax = rp.plot_lazy(lazy)
+    ax = rp.lazy_update_cost(lazy)
     assert [t.get_text() for t in ax.texts] == ["f=0.25", "f=1"]
     plt.close("all")
-    with pytest.raises(ValueError, match="plot_lazy: the frame needs the columns 'saved'"):
-        rp.plot_lazy(df)
+    with pytest.raises(ValueError, match="lazy_update_cost: the frame needs the columns 'saved'"):
+        rp.lazy_update_cost(df)
     hidden_only = df[df.tensor == "output"]
-    with pytest.raises(ValueError, match="plot_quantization: the frame has no 'quantization'"):
-        rp.plot_quantization(hidden_only)
+    with pytest.raises(ValueError, match="kv_quantization: the frame has no 'quantization'"):
+        rp.kv_quantization(hidden_only)

@@ -1,4 +1,4 @@
-"""``loopprobe redundancy``: FlashLoop's three observations per loop (see loopprobe.redundancy).
+"""``loopprobe redundancy``: FlashLoop's three observations per loop (see loopprobe.estimate.redundancy).
 
 Example::
 
@@ -86,9 +86,10 @@ def table(res, every: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loopprobe.cli._common import apply_threads, call_user, load_object, print_json
-    from loopprobe.redundancy import redundancy
-    from loopprobe.threads import work
+    from loopprobe._threads import work
+    from loopprobe._io import call_user, load_object
+    from loopprobe.cli._common import apply_threads, print_json
+    from loopprobe.estimate.redundancy import redundancy
 
     if args.model is None:
         model = default_model(args.seed)
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     res = redundancy(model, inputs, group=args.group, seed=args.seed)
     lazy = None
     if args.lazy:
-        from loopprobe.redundancy_lazy import lazy_update
+        from loopprobe.estimate.redundancy.lazy import lazy_update
 
         lazy = lazy_update(model, inputs, seed=args.seed)
     if args.json:

@@ -1,4 +1,4 @@
-"""Thin adapters that call :class:`loopprobe.monitor.Monitor` from trainers' callback hooks.
+"""Thin adapters that call :class:`loopprobe.Monitor` from trainers' callback hooks.
 
 - :mod:`loopprobe.integrations.huggingface`: ``MonitorCallback`` (a ``TrainerCallback``);
 - :mod:`loopprobe.integrations.lightning`: ``MonitorCallback``, a Lightning ``Callback``.

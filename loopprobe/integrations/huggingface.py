@@ -33,10 +33,10 @@ def _callback_class() -> type:
             "loopprobe.integrations.huggingface needs transformers; pip install transformers"
         ) from err
 
-    from loopprobe.monitor import Monitor
+    from loopprobe.monitor.monitor import Monitor
 
     class MonitorCallback(TrainerCallback):
-        """Runs a :class:`loopprobe.monitor.Monitor` after every optimizer step it schedules."""
+        """Runs a :class:`loopprobe.Monitor` after every optimizer step it schedules."""
 
         def __init__(self, monitor: Monitor | None = None, **monitor_kwargs: Any) -> None:
             if (monitor is None) == (not monitor_kwargs):

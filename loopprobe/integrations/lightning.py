@@ -38,10 +38,10 @@ def _base() -> type:
 
 @functools.cache
 def _callback_class() -> type:
-    from loopprobe.monitor import Monitor
+    from loopprobe.monitor.monitor import Monitor
 
     class MonitorCallback(_base()):
-        """Runs a :class:`loopprobe.monitor.Monitor` after every optimizer step it schedules."""
+        """Runs a :class:`loopprobe.Monitor` after every optimizer step it schedules."""
 
         def __init__(self, monitor: Monitor) -> None:
             if not isinstance(monitor, Monitor):

@@ -23,8 +23,23 @@ from loopprobe.plots.alignment import (
 )
 from loopprobe.plots.fixedpoint import eigenvalues, fixed_point_residuals
 from loopprobe.plots.growth import coord_check, increment_growth, lr_transfer, stream_plot
+from loopprobe.plots.monitor import kappa_vs_step, visit_heatmap
+from loopprobe.plots.redundancy import (
+    attention_sparsity,
+    kv_quantization,
+    lazy_update_cost,
+    loop_similarity,
+    token_concentration,
+)
 
 __all__ = [
+    "attention_sparsity",
+    "kappa_vs_step",
+    "kv_quantization",
+    "lazy_update_cost",
+    "loop_similarity",
+    "token_concentration",
+    "visit_heatmap",
     "coord_check",
     "delta_f_vs_R",
     "eigenvalues",

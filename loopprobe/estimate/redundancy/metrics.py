@@ -1,6 +1,6 @@
 """Adjacent-loop similarity, extrapolation and token-change concentration, on plain tensors.
 
-The definitions are in :mod:`loopprobe.redundancy` (which records the per-loop tensors);
+The definitions are in :mod:`loopprobe.estimate.redundancy` (which records the per-loop tensors);
 every function here takes ``(B, T, C)`` tensors of consecutive loops and computes in float64.
 """
 

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loopprobe.redundancy import default_layers
-from loopprobe.redundancy_metrics import change_score
-from loopprobe.visits import Probe, call_model, pick_output, seeded
+from loopprobe.estimate.redundancy import default_layers
+from loopprobe.estimate.redundancy.metrics import change_score
+from loopprobe.record.probe import Probe
+from loopprobe.record.types import call_model, pick_output, seeded
 
 FRACTIONS = (0.1, 0.25, 0.5, 1.0)
 
@@ -134,7 +135,7 @@ def lazy_update(
 ) -> pd.DataFrame:
     """Output change and saved work of the lazy token update, one row per fraction ``f``.
 
-    ``layers``: the per-loop state modules as in :func:`loopprobe.redundancy.redundancy`
+    ``layers``: the per-loop state modules as in :func:`loopprobe.estimate.redundancy.redundancy`
     (each visited once per loop). ``start``: the first lazy loop (1-based; FlashLoop: 3).
     ``targets``: token ids for ``loss_change`` (cross-entropy of ``F`` flattened).
     ``select``: ``score`` (FlashLoop's change score) or ``random`` (the same number of

@@ -1,4 +1,4 @@
-"""Where :class:`loopprobe.monitor.Monitor` sends each step's rows: TensorBoard, files, callables.
+"""Where :class:`loopprobe.Monitor` sends each step's rows: TensorBoard, files, callables.
 
 A sink is any object with ``write(step, rows)`` (``rows``: the step's long frame, columns
 ``step, sublayer, visit, quantity, value, converged``) and ``close()``. A plain callable in
@@ -114,7 +114,7 @@ class TensorBoardSink(Sink):
     ``loopprobe/kappa/<sublayer>`` one per sublayer; per-visit rows too unless
     ``per_visit=False``). Every ``heatmap_every``-th write (the first included) adds, per
     quantity in ``heatmaps``, an image of the step x visit heat map of all steps so far
-    (one panel per sublayer, :func:`loopprobe.monitor_plots.visit_heatmap`; drawing it
+    (one panel per sublayer, :func:`loopprobe.plots.monitor.visit_heatmap`; drawing it
     costs about 0.2 s, several training steps of a small model, hence not every write).
     Pass ``log_dir`` or an open ``writer`` (then :meth:`close` only flushes it). Needs the
     ``tensorboard`` package: ``pip install 'loopprobe[monitor]'``.
@@ -162,7 +162,7 @@ class TensorBoardSink(Sink):
         if len(kept):
             self._history.append(kept)
         if self._history and self._writes % self.heatmap_every == 0:
-            from loopprobe.monitor_plots import visit_heatmap
+            from loopprobe.plots.monitor import visit_heatmap
 
             history = pd.concat(self._history, ignore_index=True)
             for q in self.heatmaps:

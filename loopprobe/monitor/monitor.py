@@ -23,7 +23,7 @@ Diagnostics (names for ``diagnostics=``), cheapest first; the default is the che
   ``G_tied = ||sum_r G_r||``, consecutive-visit cosine ``cos_G_prev`` per visit and its
   mean ``cos_G_adjacent`` per sublayer, and ``probe_loss``;
 - ``"increments"``: per-visit increment RMS, per-group ``inc_ratio`` and mean off-diagonal
-  cosine ``inc_cos``, and the stream's ``growth`` (:func:`loopprobe.increments`, no backward);
+  cosine ``inc_cos``, and the stream's ``growth`` (:func:`loopprobe.estimate.increments`, no backward);
 - ``"kappa"``: ``kappa_R``, ``kappa_bar`` and ``kappa`` per sublayer
   (:func:`loopprobe.visit_alignment`; Krylov on JVP/VJP: hundreds of training steps' worth
   of compute); it also yields every ``"updates"`` and ``"sensitivity"`` number, from the
@@ -51,10 +51,14 @@ import pandas as pd
 import torch
 from torch import nn
 
-from loopprobe.alignment import AlignmentReport, bound_check, visit_alignment
-from loopprobe.fixedpoint import round_map, spectral_radius
-from loopprobe.increments import increments
-from loopprobe.monitor_sinks import (  # the sinks re-exported: one import for the loop
+from loopprobe.differentiate.roundmap import round_map
+from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
+from loopprobe.estimate.bound import bound_check
+from loopprobe.estimate.fixedpoint import spectral_radius
+from loopprobe.estimate.increments import increments
+from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
+from loopprobe.estimate.updates import Updates, per_visit_updates
+from loopprobe.monitor.sinks import (
     COLUMNS,
     CallableSink,
     FileSink,
@@ -63,10 +67,8 @@ from loopprobe.monitor_sinks import (  # the sinks re-exported: one import for t
     as_sink,
     typed_frame,
 )
-from loopprobe.probe import Probe
-from loopprobe.sensitivity import Sensitivity, sensitivity_norms
-from loopprobe.updates import Updates, per_visit_updates
-from loopprobe.visits import _restored
+from loopprobe.record.probe import Probe
+from loopprobe.record.session import restored as _restored
 
 __all__ = [
     "COLUMNS",
@@ -123,7 +125,7 @@ class Monitor:
     ``{"updates": 1, "kappa": 10}``). When to run: ``every=k`` (steps divisible by k), or
     ``schedule=`` a callable ``step -> bool`` or an iterable of steps (see
     :func:`dense_early`). ``sinks``: objects with ``write(step, rows)`` (see
-    :mod:`loopprobe.monitor_sinks`) or plain callables taking a flat metrics dict
+    :mod:`loopprobe.monitor.sinks`) or plain callables taking a flat metrics dict
     (``wandb.log``). ``update``: what G is (``"sgd"``, ``"adam"``, ``"adamw"`` or the
     training optimizer, whose state is read, never written). ``options``: keyword
     arguments per diagnostic, passed to its estimator (``{"kappa": {"max_iter": 50}}``).

@@ -1,7 +1,7 @@
-"""Figures of a :class:`loopprobe.monitor.Monitor` frame: kappa_R and loss vs step, heat maps.
+"""Figures of a :class:`loopprobe.Monitor` frame: kappa_R and loss vs step, heat maps.
 
 Both functions take the monitor's long frame (``monitor.frame``, or
-:func:`loopprobe.monitor_sinks.read_frame` of a saved file), redraw it without recomputing
+:func:`loopprobe.monitor.sinks.read_frame` of a saved file), redraw it without recomputing
 anything, and return a :class:`matplotlib.figure.Figure` (built without pyplot state;
 ``fig.savefig(...)`` or ``plt.savefig(...)`` after ``plt.figure(fig)`` both work).
 matplotlib and seaborn are imported on call, never with this module.
@@ -30,7 +30,7 @@ def _check(call: str, frame: pd.DataFrame) -> None:
     if missing:
         raise ValueError(
             f"{call}: the frame lacks columns {missing}; pass monitor.frame or "
-            "loopprobe.monitor_sinks.read_frame(path)"
+            "loopprobe.monitor.sinks.read_frame(path)"
         )
 
 
@@ -43,7 +43,7 @@ def kappa_vs_step(
     ``loss``, ``loss`` (passed to ``monitor.step``) and ``probe_loss``. Unconverged kappa_R
     points are drawn hollow. Reference: seed 002, Eq. 12.
     """
-    from loopprobe.plots import _figure, _palette
+    from loopprobe.plots._base import new_figure, palette
 
     call = "kappa_vs_step"
     _check(call, frame)
@@ -54,11 +54,11 @@ def kappa_vs_step(
             "'kappa', e.g. Monitor(..., diagnostics={'updates': 1, 'kappa': 10})"
         )
     losses = [q for q in ("loss", "probe_loss") if (frame.quantity == q).any()] if loss else []
-    fig, axes = _figure(ncols=2 if losses else 1)
+    fig, axes = new_figure(ncols=2 if losses else 1)
     ax = axes[0, 0]
     kj = frame[(frame.quantity == "kappa") & frame.sublayer.notna()]
     names = list(pd.unique(kj.sublayer))
-    for color, name in zip(_palette(len(names)), names, strict=True):
+    for color, name in zip(palette(len(names)), names, strict=True):
         sub = kj[kj.sublayer == name].sort_values("step")
         ax.plot(sub.step, sub.value, color=color, linewidth=1, alpha=0.8, label=f"κ {name}")
     ok = kR.converged.fillna(False).astype(bool) if "converged" in kR else True
@@ -92,7 +92,7 @@ def visit_heatmap(
     (log10 with ``log``). Quantities: ``G_norm``, ``U_norm``, ``inc_rms``, ``cos_G_prev``.
     Reference: seed 002, Eq. 11-12 (||G_r,j||, ||U_r,j||).
     """
-    from loopprobe.plots import _figure
+    from loopprobe.plots._base import new_figure
 
     call = "visit_heatmap"
     _check(call, frame)
@@ -103,7 +103,7 @@ def visit_heatmap(
             f"{call}: no per-visit rows of quantity={quantity!r}; the frame has {have}"
         )
     names = list(pd.unique(df.sublayer))[:max_panels]
-    fig, axes = _figure(ncols=len(names), size=(3.4, 3.2))
+    fig, axes = new_figure(ncols=len(names), size=(3.4, 3.2))
     values = df.value.to_numpy(float)
     if log:
         values = np.where(values > 0, values, np.nan)

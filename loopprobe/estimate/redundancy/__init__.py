@@ -1,7 +1,7 @@
 """Where looping is redundant: FlashLoop's three observations, measured per loop by hooks.
 
 One forward records, per loop (visit) of every looped layer, the layer's output, and for
-every attention module an adapter can read (:mod:`loopprobe.redundancy_attention`), its K,
+every attention module an adapter can read (:mod:`loopprobe.estimate.redundancy.attention`), its K,
 V and attention probabilities. Loop ``t`` of a layer is its t-th call (1-based in the
 frames). From these, with the definitions of the authors' reference code:
 
@@ -20,8 +20,8 @@ frames). From these, with the definitions of the authors' reference code:
   score, which is what a lazy update can know), per sequence, averaged over the batch (a
   uniform change gives ``f``);
 - **attention** (observation 2) and **quantization** (observation 3): see
-  :func:`loopprobe.redundancy_attention.sparsity` and
-  :func:`loopprobe.redundancy_quant.residual_quantization`.
+  :func:`loopprobe.estimate.redundancy.attention.sparsity` and
+  :func:`loopprobe.estimate.redundancy.quant.residual_quantization`.
 
 Tokens are the second-to-last axis of a ``(B, T, D)`` output (a ``(T, D)`` one is one
 sequence); K and V are ``(B, H, T, d)`` and count as tokens of ``H*d`` channels for the
@@ -47,11 +47,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from loopprobe import redundancy_attention as ra
 from loopprobe._checks import Trust
-from loopprobe.redundancy_metrics import concentration, extrapolation, similarity, tokens
-from loopprobe.redundancy_quant import GROUP_DIM, residual_quantization
-from loopprobe.visits import Probe
+from loopprobe.estimate.redundancy import attention as ra
+from loopprobe.estimate.redundancy.metrics import concentration, extrapolation, similarity, tokens
+from loopprobe.estimate.redundancy.quant import GROUP_DIM, residual_quantization
+from loopprobe.record.probe import Probe
 
 FRACTIONS = (0.1, 0.25, 0.5)
 KEY_FRACTIONS = (0.1, 0.2, 0.3, 0.5)
@@ -212,7 +212,7 @@ def redundancy(
     of a :class:`~loopprobe.models.LoopedGPT`, else the discovered loop body, see
     :func:`loopprobe.attach`). ``attention``: ``None`` recognises the reference models'
     attention and x-transformers' ``Attend``; a dict ``{name or glob: adapter}`` names your
-    own (see :mod:`loopprobe.redundancy_attention`); ``False`` skips K/V. ``fractions``:
+    own (see :mod:`loopprobe.estimate.redundancy.attention`); ``False`` skips K/V. ``fractions``:
     token fractions f; ``key_fractions``: kept key fractions; ``bits``/``group``: the
     quantizer. ``seed``: torch's RNG for the forward (the caller's state is restored).
     The model is not changed (one forward under ``no_grad`` with temporary hooks).
@@ -275,7 +275,7 @@ def redundancy(
     if not adapters:
         notes.append(
             "no attention module recognised: hidden-state measurements only; name yours with "
-            "attention={'path.to.attn': adapter} (see loopprobe.redundancy_attention)"
+            "attention={'path.to.attn': adapter} (see loopprobe.estimate.redundancy.attention)"
         )
     frame = pd.DataFrame(rows, columns=COLUMNS)
     return Redundancy(

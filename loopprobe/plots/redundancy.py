@@ -1,4 +1,4 @@
-"""Plots of :func:`loopprobe.redundancy` frames (matplotlib/seaborn imported inside each function).
+"""Plots of :func:`loopprobe.estimate.redundancy` frames (matplotlib/seaborn imported inside each function).
 
 Each function takes the tidy frame (``res.to_frame()``, or a concatenation with an extra
 column such as ``model``), draws on ``ax`` (a new figure when ``None``) and returns the axes;
@@ -9,8 +9,8 @@ Example::
     res = lp.redundancy(model, idx)
     df = res.to_frame()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    plot_concentration(df, ax=axes[0]); plot_quantization(df, ax=axes[1])
-    plot_attention(df, ax=axes[2]); fig.savefig("redundancy.png")
+    token_concentration(df, ax=axes[0]); kv_quantization(df, ax=axes[1])
+    attention_sparsity(df, ax=axes[2]); fig.savefig("redundancy.png")
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ def _rows(df: pd.DataFrame, observation: str, call: str, **equal: Any) -> pd.Dat
     return rows
 
 
-def plot_concentration(
+def token_concentration(
     df: pd.DataFrame, *, metric: str = "share", hue: str = "param", ax: Any = None
 ) -> Any:
     """Share of the squared change in the top fraction f of tokens vs loop (dotted: f, the
     share of a uniform change). ``metric``: ``share`` or ``share_oracle``."""
     import seaborn as sns
 
-    rows = _rows(df, "concentration", "plot_concentration", metric=metric)
+    rows = _rows(df, "concentration", "token_concentration", metric=metric)
     rows = rows.rename(columns={"param": "f"})
     ax = _axes(ax)
     hue = "f" if hue == "param" else hue
@@ -59,11 +59,11 @@ def plot_concentration(
     return ax
 
 
-def plot_quantization(df: pd.DataFrame, *, ax: Any = None) -> Any:
+def kv_quantization(df: pd.DataFrame, *, ax: Any = None) -> Any:
     """Residual / direct quantization error of K and V vs loop, one line per (tensor, bits)."""
     import seaborn as sns
 
-    rows = _rows(df, "quantization", "plot_quantization", metric="ratio").copy()
+    rows = _rows(df, "quantization", "kv_quantization", metric="ratio").copy()
     rows["bits"] = rows["param"].astype(int).astype(str) + " bit"
     ax = _axes(ax)
     sns.lineplot(rows, x="loop", y="value", hue="tensor", style="bits", marker="o", ax=ax)
@@ -72,11 +72,13 @@ def plot_quantization(df: pd.DataFrame, *, ax: Any = None) -> Any:
     return ax
 
 
-def plot_attention(df: pd.DataFrame, *, metric: str = "captured", ax: Any = None) -> Any:
+def attention_sparsity(df: pd.DataFrame, *, metric: str = "captured", ax: Any = None) -> Any:
     """Oracle energy captured (or recall) by the previous loop's top keys vs kept fraction."""
     import seaborn as sns
 
-    rows = _rows(df, "attention", "plot_attention", metric=metric).rename(columns={"param": "k"})
+    rows = _rows(df, "attention", "attention_sparsity", metric=metric).rename(
+        columns={"param": "k"}
+    )
     ax = _axes(ax)
     sns.lineplot(rows, x="k", y="value", hue="loop", marker="o", ax=ax, palette="viridis")
     ax.plot([0, 1], [0, 1], ls=":", color="grey")
@@ -84,25 +86,27 @@ def plot_attention(df: pd.DataFrame, *, metric: str = "captured", ax: Any = None
     return ax
 
 
-def plot_similarity(df: pd.DataFrame, *, metric: str = "rel_reuse", ax: Any = None) -> Any:
+def loop_similarity(df: pd.DataFrame, *, metric: str = "rel_reuse", ax: Any = None) -> Any:
     """An adjacent-loop similarity metric vs loop, one line per tensor (output, K, V)."""
     import seaborn as sns
 
-    rows = _rows(df, "similarity", "plot_similarity", metric=metric)
+    rows = _rows(df, "similarity", "loop_similarity", metric=metric)
     ax = _axes(ax)
     sns.lineplot(rows, x="loop", y="value", hue="tensor", marker="o", ax=ax)
     ax.set(ylabel=metric, title="adjacent-loop similarity")
     return ax
 
 
-def plot_lazy(df: pd.DataFrame, *, y: str = "kl", hue: str | None = None, ax: Any = None) -> Any:
+def lazy_update_cost(
+    df: pd.DataFrame, *, y: str = "kl", hue: str | None = None, ax: Any = None
+) -> Any:
     """Output change (``kl``, ``rel_change`` or ``loss_change``) vs the work saved, one point
-    per kept fraction f, from :func:`loopprobe.redundancy_lazy.lazy_update`'s frame."""
+    per kept fraction f, from :func:`loopprobe.estimate.redundancy.lazy.lazy_update`'s frame."""
     import seaborn as sns
 
     if df.empty or y not in df or "saved" not in df:
         raise ValueError(
-            f"plot_lazy: the frame needs the columns 'saved' and {y!r}; pass lazy_update's frame"
+            f"lazy_update_cost: the frame needs the columns 'saved' and {y!r}; pass lazy_update's frame"
         )
     ax = _axes(ax)
     sns.lineplot(df, x="saved", y=y, hue=hue, marker="o", ax=ax)

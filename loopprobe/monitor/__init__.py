@@ -1,0 +1,10 @@
+"""Watch a looped model while it trains: :class:`Monitor` and where its rows go.
+
+:mod:`.monitor` (the :class:`Monitor`: which diagnostics, how often, a tidy frame) and
+:mod:`.sinks` (TensorBoard, CSV/Parquet, any callable). Trainer adapters are in
+:mod:`loopprobe.integrations`; figures of the frame in :mod:`loopprobe.plots`.
+"""
+
+from loopprobe.monitor.monitor import Monitor, dense_early
+
+__all__ = ["Monitor", "dense_early"]
