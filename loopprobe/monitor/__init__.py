@@ -6,5 +6,6 @@
 """
 
 from loopprobe.monitor.monitor import Monitor, dense_early
+from loopprobe.monitor.sinks import CallableSink, FileSink, TensorBoardSink, read_frame
 
-__all__ = ["Monitor", "dense_early"]
+__all__ = ["CallableSink", "FileSink", "Monitor", "TensorBoardSink", "dense_early", "read_frame"]
