@@ -298,13 +298,13 @@ def test_input_dependence_rejects_bad_directions_and_start():
 
 
 def test_traced_jvps_agree_with_plain_jvps(monkeypatch):
-    from loopprobe.differentiate.roundmap import _JVP
+    from loopprobe.differentiate.roundmap import TracedJVP
 
-    monkeypatch.setattr(_JVP, "min_seconds", 0.0)
+    monkeypatch.setattr(TracedJVP, "min_seconds", 0.0)
     cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=2, recall="internal")
     model = LoopedGPT(cfg, generator=gen(0)).double()
     rm = lp.round_map(model, torch.randint(0, 16, (1, 4), generator=gen(1)))
-    jvp = _JVP(rm.T, rm.h0, trace=True)
+    jvp = TracedJVP(rm.T, rm.h0, trace=True)
     vs = torch.randn(12, *rm.h0.shape, dtype=f64, generator=gen(2))
     outs = [jvp(v) for v in vs]
     assert jvp.traced is not None  # traced after 10 plain calls

@@ -86,8 +86,8 @@ def table(res, every: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loopprobe._threads import work
     from loopprobe._io import call_user, load_object
+    from loopprobe._threads import work
     from loopprobe.cli._common import apply_threads, print_json
     from loopprobe.estimate.redundancy import redundancy
 

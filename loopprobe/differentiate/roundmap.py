@@ -2,8 +2,8 @@
 
 :func:`round_map` builds the round map of a reference model (``model.step(h, x)`` with
 ``x = model.embed(idx)``), :func:`replay_round` that of any looped model from the recorded
-calls of one module. The private helpers below (state checks, ``_linearize`` / ``_JVP``,
-``_numpy_op``) are shared by :mod:`loopprobe.estimate.fixedpoint` (reachability, geometry) and
+calls of one module. The private helpers below (state checks, ``linearize`` / ``TracedJVP``,
+``numpy_op``) are shared by :mod:`loopprobe.estimate.fixedpoint` (reachability, geometry) and
 :mod:`loopprobe.estimate.implicit` (input-dependence). Reference: docs/definitions.md §4.
 """
 
@@ -152,7 +152,7 @@ def _chains(out: object, nxt: torch.Tensor, rtol: float) -> bool:
     out = _state_of(out)
     if not isinstance(out, torch.Tensor) or out.shape != nxt.shape:
         return False
-    return bool(torch.allclose(nxt, out, rtol=rtol, atol=rtol * _norm(out)))
+    return bool(torch.allclose(nxt, out, rtol=rtol, atol=rtol * state_norm(out)))
 
 
 def _replay_arg(call: str, args: tuple, kwargs: dict, where: int | str) -> torch.Tensor:
@@ -182,13 +182,13 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             m.training = flag
 
 
-def _bind(step: Step, x: torch.Tensor | None) -> Map:
+def bind(step: Step, x: torch.Tensor | None) -> Map:
     if not callable(step):
         raise TypeError(f"step must be callable h -> T(h) or (h, x) -> T(h; x), got {step!r}")
     return step if x is None else (lambda h: step(h, x))
 
 
-def _check_state(call: str, h: object) -> torch.Tensor:
+def check_state(call: str, h: object) -> torch.Tensor:
     if not isinstance(h, torch.Tensor) or not h.is_floating_point():
         raise TypeError(f"{call}: the state must be a floating-point tensor, got {h!r:.60}")
     if not bool(torch.isfinite(h).all()):
@@ -196,14 +196,14 @@ def _check_state(call: str, h: object) -> torch.Tensor:
     return h.detach()
 
 
-def _apply(call: str, T: Map, h: torch.Tensor) -> torch.Tensor:
+def apply_map(call: str, T: Map, h: torch.Tensor) -> torch.Tensor:
     """``T(h)``, checked to keep the state's shape and dtype (a step must map h to h)."""
     out = T(h)
-    _check_same(call, h, out)
+    check_same(call, h, out)
     return out
 
 
-def _check_same(call: str, h: torch.Tensor, out: object) -> None:
+def check_same(call: str, h: torch.Tensor, out: object) -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{call}: step returned {type(out).__name__}, expected a tensor")
     if out.shape != h.shape or out.dtype != h.dtype:
@@ -213,16 +213,16 @@ def _check_same(call: str, h: torch.Tensor, out: object) -> None:
         )
 
 
-def _norm(t: torch.Tensor) -> float:
+def state_norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t))
 
 
-def _rel(num: torch.Tensor, den: torch.Tensor) -> float:
-    d = _norm(den)
-    return _norm(num) / d if d > 0 else (0.0 if _norm(num) == 0 else math.inf)
+def rel(num: torch.Tensor, den: torch.Tensor) -> float:
+    d = state_norm(den)
+    return state_norm(num) / d if d > 0 else (0.0 if state_norm(num) == 0 else math.inf)
 
 
-def _positive(call: str, name: str, value: float) -> None:
+def check_positive(call: str, name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and value > 0):
         raise ValueError(f"{call}: {name} must be a number > 0, got {value!r}")
 
@@ -230,18 +230,18 @@ def _positive(call: str, name: str, value: float) -> None:
 # ------------------------------------------------------------------------- JVP plumbing
 
 
-class _NonFinite(ArithmeticError):
+class NonFinite(ArithmeticError):
     pass
 
 
-def _linearize(T: Map, h: torch.Tensor, trace: bool = True) -> tuple[torch.Tensor, Map]:
-    """``T(h)`` and ``v -> dT/dh(h) v`` (see :class:`_JVP`)."""
-    with _quiet():
+def linearize(T: Map, h: torch.Tensor, trace: bool = True) -> tuple[torch.Tensor, Map]:
+    """``T(h)`` and ``v -> dT/dh(h) v`` (see :class:`TracedJVP`)."""
+    with quiet():
         Th = T(h)
-    return Th.detach(), _JVP(T, h, trace)
+    return Th.detach(), TracedJVP(T, h, trace)
 
 
-class _JVP:
+class TracedJVP:
     """``v -> dT/dh(h) v``: plain ``torch.func.jvp`` first, traced once it pays off.
 
     A plain JVP recomputes T on every call. After 10 calls that took > 5 ms each on
@@ -263,7 +263,7 @@ class _JVP:
         if self.traced is not None:
             return self.traced(v)
         start = time.perf_counter()
-        with _quiet():
+        with quiet():
             out = self.jvp(self.T, (self.h,), (v,))[1]
         self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
         traceable = self.trace and not self.jvp.reverse
@@ -273,7 +273,7 @@ class _JVP:
 
     def _try_trace(self, v: torch.Tensor, reference: torch.Tensor) -> Map | None:
         try:
-            with _quiet():
+            with quiet():
                 _, traced = torch.func.linearize(self.T, self.h)
                 atol = 1e-6 * float(reference.abs().max().nan_to_num())
                 if torch.allclose(traced(v), reference, rtol=1e-5, atol=atol, equal_nan=True):
@@ -284,7 +284,7 @@ class _JVP:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """Silence torch's own tracing noise (forward-AD setup, const folding), not the user's."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Attempted to insert a get_attr Node")
@@ -292,7 +292,7 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _numpy_op(fn: Map, shape: torch.Size, like: torch.Tensor, what: str, calls: list[int]):
+def numpy_op(fn: Map, shape: torch.Size, like: torch.Tensor, what: str, calls: list[int]):
     """Wrap a torch map on tensors of ``shape`` as a flat float64 numpy function."""
 
     def apply(v: np.ndarray) -> np.ndarray:
@@ -300,7 +300,7 @@ def _numpy_op(fn: Map, shape: torch.Size, like: torch.Tensor, what: str, calls: 
         t = torch.as_tensor(np.ascontiguousarray(v).reshape(-1), device=like.device)
         out = fn(t.to(like.dtype).view(shape)).detach()
         if not bool(torch.isfinite(out).all()):
-            raise _NonFinite(f"the {what} returned NaN/inf")
+            raise NonFinite(f"the {what} returned NaN/inf")
         return out.reshape(-1).to(torch.float64).cpu().numpy()
 
     return apply

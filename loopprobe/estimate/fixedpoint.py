@@ -28,20 +28,20 @@ import numpy as np
 import pandas as pd
 import torch
 
+from loopprobe._checks import count as _count
 from loopprobe.autodiff import transform_safe
 from loopprobe.differentiate.roundmap import (
+    NonFinite,
     Step,
-    _apply,
-    _bind,
-    _check_same,
-    _check_state,
-    _count,
-    _linearize,
-    _NonFinite,
-    _norm,
-    _numpy_op,
-    _positive,
-    _rel,
+    apply_map,
+    bind,
+    check_positive,
+    check_same,
+    check_state,
+    linearize,
+    numpy_op,
+    rel,
+    state_norm,
 )
 from loopprobe.linalg import Estimate, operator_norm
 
@@ -105,14 +105,14 @@ def fixed_point(
     Example: ``fp = fixed_point(lambda h: 0.5 * h + 1, torch.zeros(3))`` reaches 2.
     """
     call = "fixed_point"
-    T = _bind(step, x)
-    h = _check_state(call, h0)
-    _positive(call, "tol", tol)
+    T = bind(step, x)
+    h = check_state(call, h0)
+    check_positive(call, "tol", tol)
     _count(call, "max_iter", max_iter, 0)
     _count(call, "memory", memory, 1)
     if method not in ("picard", "anderson"):
         raise ValueError(f"{call}: method={method!r} is unknown; use 'picard' or 'anderson'")
-    limit = blowup * max(_norm(h), 1.0)
+    limit = blowup * max(state_norm(h), 1.0)
     residuals: list[float] = []
     dF: list[torch.Tensor] = []
     dG: list[torch.Tensor] = []
@@ -120,17 +120,15 @@ def fixed_point(
     converged, reason = False, ""
     with torch.no_grad():
         for k in range(max_iter + 1):
-            Th = _apply(call, T, h)
+            Th = apply_map(call, T, h)
             if not bool(torch.isfinite(Th).all()):
                 reason = f"the step returned NaN/inf at iteration {k}"
                 break
-            if _norm(Th) > limit:
-                reason = (
-                    f"diverged: ||T(h)|| = {_norm(Th):.3g} at iteration {k} (blowup={blowup:g})"
-                )
+            if state_norm(Th) > limit:
+                reason = f"diverged: ||T(h)|| = {state_norm(Th):.3g} at iteration {k} (blowup={blowup:g})"
                 break
             f = Th - h
-            residuals.append(_rel(f, h))
+            residuals.append(rel(f, h))
             if residuals[-1] <= tol:
                 converged, reason = True, f"residual {residuals[-1]:.3g} <= tol {tol:g}"
                 break
@@ -223,8 +221,8 @@ def round_residuals(
     ``||h_r - h*|| / ||h*||``. Reference: docs/definitions.md §4 (reachability).
     """
     call = "round_residuals"
-    T = _bind(step, x)
-    h = _check_state(call, h0)
+    T = bind(step, x)
+    h = check_state(call, h0)
     _count(call, "rounds", rounds, 0)
     if h_star is not None and h_star.shape != h.shape:
         raise ValueError(
@@ -234,10 +232,10 @@ def round_residuals(
     residuals, distances = [], []
     with torch.no_grad():
         for r in range(rounds + 1):
-            Th = _apply(call, T, h)
-            residuals.append(_rel(Th - h, h))
+            Th = apply_map(call, T, h)
+            residuals.append(rel(Th - h, h))
             if h_star is not None:
-                distances.append(_rel(h - h_star, h_star))
+                distances.append(rel(h - h_star, h_star))
             if r < rounds:
                 h = Th
     return RoundResiduals(h, residuals, distances if h_star is not None else None)
@@ -323,8 +321,8 @@ def spectral_radius(
     from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigs
 
     call = "spectral_radius"
-    T = _bind(step, x)
-    h = _check_state(call, h)
+    T = bind(step, x)
+    h = check_state(call, h)
     _count(call, "k", k, 1)
     f64 = h.dtype == torch.float64
     tol = (1e-8 if f64 else 1e-5) if tol is None else tol
@@ -332,10 +330,10 @@ def spectral_radius(
     check_tol = (1e-6 if f64 else 1e-3) if check_tol is None else check_tol
     gen = torch.Generator().manual_seed(0) if generator is None else generator
     n = h.numel()
-    Th, jvp = _linearize(T, h)
-    _check_same(call, h, Th)
+    Th, jvp = linearize(T, h)
+    check_same(call, h, Th)
     calls = [0]
-    mv = _numpy_op(jvp, h.shape, h, "JVP of the step", calls)
+    mv = numpy_op(jvp, h.shape, h, "JVP of the step", calls)
     v0 = torch.randn(n, generator=gen, dtype=torch.float64).numpy()
     converged, reason, method = True, "", "arnoldi"
     try:
@@ -352,19 +350,19 @@ def spectral_radius(
         if len(vals) == 0:
             try:
                 vals, vecs = _arnoldi(mv, v0, min(n, 60))
-            except _NonFinite as nonfinite:
+            except NonFinite as nonfinite:
                 return _failed_radius(calls[0], f"{reason}; {nonfinite}")
             method = "arnoldi-ritz"
             reason += "; value is the largest Ritz value of a 60-step Arnoldi run, uncertified"
     except ArpackError as err:
         return _failed_radius(calls[0], f"ARPACK failed: {err}")
-    except _NonFinite as err:
+    except NonFinite as err:
         return _failed_radius(calls[0], f"{err}; the state may be outside the step's domain")
     order = np.argsort(-np.abs(vals), kind="stable")[:k]
     vals, vecs = vals[order], vecs[:, order]
     try:
         res = np.array([_eig_residual(mv, lam, vecs[:, i]) for i, lam in enumerate(vals)])
-    except _NonFinite as err:
+    except NonFinite as err:
         return _failed_radius(calls[0], f"{err} while checking the eigenpairs")
     if len(vals) == 0:
         return _failed_radius(calls[0], reason or "no eigenvalue returned")
@@ -432,11 +430,11 @@ def jacobian_norm(
     Reference: docs/definitions.md §4 (geometry).
     """
     call = "jacobian_norm"
-    T = _bind(step, x)
-    h = _check_state(call, h)
+    T = bind(step, x)
+    h = check_state(call, h)
     gen = torch.Generator().manual_seed(0) if generator is None else generator
-    Th, jvp = _linearize(T, h)
-    _check_same(call, h, Th)
+    Th, jvp = linearize(T, h)
+    check_same(call, h, Th)
     _, vjp = torch.func.vjp(T, h)
     v0 = torch.randn(1, h.numel(), generator=gen, dtype=torch.float64).to(h)
     return operator_norm(

@@ -16,16 +16,16 @@ import numpy as np
 import pandas as pd
 import torch
 
+from loopprobe._checks import count as _count
 from loopprobe.autodiff import transform_safe
 from loopprobe.differentiate.roundmap import (
+    NonFinite,
     Step,
-    _check_same,
-    _check_state,
-    _count,
-    _linearize,
-    _NonFinite,
-    _norm,
-    _numpy_op,
+    check_same,
+    check_state,
+    linearize,
+    numpy_op,
+    state_norm,
 )
 from loopprobe.linalg import Estimate, operator_norm
 
@@ -123,28 +123,28 @@ def input_dependence(
     call = "input_dependence"
     if not callable(step):
         raise TypeError(f"{call}: step must be a callable (h, x) -> T(h; x), got {step!r}")
-    h_star = _check_state(call, h_star)
-    x = _check_state(call, x)
+    h_star = check_state(call, h_star)
+    x = check_state(call, x)
     _count(call, "solve_max_iter", solve_max_iter, 1)
     dirs = _directions(call, directions, x)
     start = _start(call, h0, h_star, x, rounds)
     gen = torch.Generator().manual_seed(0) if generator is None else generator
-    Th, jvp_h = _linearize(lambda h: step(h, x), h_star)
-    _check_same(call, h_star, Th)
+    Th, jvp_h = linearize(lambda h: step(h, x), h_star)
+    check_same(call, h_star, Th)
     scale = torch.maximum(h_star.norm(), Th.norm()).clamp_min(torch.finfo(Th.dtype).tiny)
     residual = float((Th - h_star).norm() / scale)
-    _, jvp_x = _linearize(lambda u: step(h_star, u), x)
+    _, jvp_x = linearize(lambda u: step(h_star, u), x)
     _, vjp_hx = torch.func.vjp(step, h_star, x)
     calls, stats = [0], {"solves": 0, "failures": 0}
     n = h_star.numel()
     A = LinearOperator(
         (n, n),
-        _numpy_op(lambda v: v - jvp_h(v), h_star.shape, h_star, "JVP of the step", calls),
+        numpy_op(lambda v: v - jvp_h(v), h_star.shape, h_star, "JVP of the step", calls),
         dtype=np.float64,
     )
     At = LinearOperator(
         (n, n),
-        _numpy_op(lambda w: w - vjp_hx(w)[0], h_star.shape, h_star, "VJP of the step", calls),
+        numpy_op(lambda w: w - vjp_hx(w)[0], h_star.shape, h_star, "VJP of the step", calls),
         dtype=np.float64,
     )
 
@@ -182,7 +182,7 @@ def input_dependence(
             raise _SolveFailed("not computed (implicit=False)")
         implicit_norm = _norm_of(S, St, v0, max_iter, norm_tol)
         dir_implicit = [S(u) for u in dirs]
-    except (_NonFinite, _SolveFailed) as err:
+    except (NonFinite, _SolveFailed) as err:
         implicit_norm = Estimate(math.nan, 0, False, math.nan, "power")
         dir_implicit = [torch.full_like(h_star, math.nan) for _ in dirs]
         reasons.append(f"implicit: {err}")
@@ -192,7 +192,7 @@ def input_dependence(
             U, Ut = _unrolled(step, start, x, rounds)
             unrolled = _norm_of(U, Ut, v0, max_iter, norm_tol)
             dir_unrolled = [U(u) for u in dirs]
-        except _NonFinite as err:
+        except NonFinite as err:
             unrolled = Estimate(math.nan, 0, False, math.nan, "power")
             reasons.append(f"unrolled: {err}")
     for name, est in (("implicit", implicit_norm), ("unrolled", unrolled)):
@@ -256,7 +256,7 @@ def _unrolled(step: Step, start, x: torch.Tensor, rounds: int):
             h = step(h, u)
         return h
 
-    hR, jvp = _linearize(f, x, trace=False)  # few calls: tracing R rounds does not pay
+    hR, jvp = linearize(f, x, trace=False)  # few calls: tracing R rounds does not pay
     _, vjp = torch.func.vjp(f, x)
     return (lambda u: jvp(u.view(x.shape)).detach()), (lambda w: vjp(w.view(hR.shape))[0].detach())
 
@@ -264,7 +264,7 @@ def _unrolled(step: Step, start, x: torch.Tensor, rounds: int):
 def _norm_of(S, St, v0: torch.Tensor, max_iter: int, tol: float) -> Estimate:
     def guard(t: torch.Tensor, what: str) -> torch.Tensor:
         if not bool(torch.isfinite(t).all()):
-            raise _NonFinite(f"the {what} returned NaN/inf")
+            raise NonFinite(f"the {what} returned NaN/inf")
         return t.detach().reshape(1, -1)
 
     return operator_norm(
@@ -284,12 +284,12 @@ def _gap(a: float, b: float) -> float:
 def _dir_frame(dirs, implicit, unrolled) -> pd.DataFrame:
     rows = []
     for i, (u, a, b) in enumerate(zip(dirs, implicit, unrolled, strict=True)):
-        nu = _norm(u)
-        na = _norm(a) / nu
-        nb = math.nan if b is None else _norm(b) / nu
+        nu = state_norm(u)
+        na = state_norm(a) / nu
+        nb = math.nan if b is None else state_norm(b) / nu
         if b is None:
             gap = math.nan
         else:
-            gap = _norm(a - b) / nu / max(na, nb) if max(na, nb) > 0 else 0.0
+            gap = state_norm(a - b) / nu / max(na, nb) if max(na, nb) > 0 else 0.0
         rows.append({"probe": f"direction {i}", "implicit": na, "unrolled": nb, "gap": gap})
     return pd.DataFrame(rows, columns=["probe", "implicit", "unrolled", "gap"])
