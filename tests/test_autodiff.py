@@ -286,6 +286,19 @@ def test_in_place_buffer_writes_are_functionalized_and_give_the_dense_norms():
     assert_unchanged(model, before)
 
 
+def test_bound_check_on_a_model_that_writes_buffers_matches_the_eval_mode_twin():
+    model = make(Looped, block=CachingBlock())
+    x = randn(3, 8)
+    loss = lambda out, _: out.square().mean()  # noqa: E731
+    before = snapshot(model)
+    chk = lp.bound_check(lp.attach(model), x, loss, alpha=1.0, beta=1.0, max_iter=20)
+    assert_unchanged(model, before)
+    model.eval()  # the writes do not change F: the eval-mode twin (no writes) is the oracle
+    twin = lp.bound_check(lp.attach(model), x, loss, alpha=1.0, beta=1.0, max_iter=20)
+    assert chk.dF_first == pytest.approx(twin.dF_first, rel=1e-12)
+    assert chk.dF_true == pytest.approx(twin.dF_true, rel=1e-9)
+
+
 # --------------------------------------------------------------------------- precision
 
 

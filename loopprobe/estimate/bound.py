@@ -250,9 +250,13 @@ class _Called(nn.Module):
 
 def _output_at(model, params, values, inputs, forward, output, seed) -> torch.Tensor:
     """F with ``params[k]`` replaced by ``values[k]`` everywhere in ``model``
-    (``torch.func.functional_call``: tied names get the same value)."""
+    (``torch.func.functional_call``: tied names get the same value). Buffers are fresh
+    copies made here, so a forward that writes its buffers in place (a cache, a counter)
+    writes the copies: the model's buffers stay as they were, and ``torch.func.jvp``
+    accepts the write (it refuses writes into tensors captured from outside)."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     new = {f"model.{names[id(p)]}": v for p, v in zip(params, values, strict=True)}
+    new.update({f"model.{n}": b.clone() for n, b in model.named_buffers()})
     with seeded(seed, params[0].device), restored(model):
         out = functional_call(_Called(model, forward), new, (inputs,), strict=False)
     return pick_output(out, output, call="bound_check")
