@@ -30,6 +30,16 @@ def test_quick_report_writes_index_results_and_at_least_four_figures(quick_repor
     results = json.loads((out / "results.json").read_text())
     expected = {s.key: "ok" for s in report.SECTIONS}
     assert {k: v["status"] for k, v in results["sections"].items()} == expected
+    verdicts = results["verdicts"]  # every prediction judged, gathered at the top
+    assert {v["section"] for v in verdicts} == {
+        "alignment",
+        "increments",
+        "coordcheck",
+        "fixedpoint",
+    }
+    assert {v["verdict"] for v in verdicts} <= {"holds", "does not hold", "cannot tell"}
+    assert all(v["expected"] for v in verdicts)
+    assert "<h2 id='verdicts'>Verdicts</h2>" in (out / "index.html").read_text()
     assert len(list(out.glob("*.png"))) >= 4
     assert len(list(out.glob("*.csv"))) >= 5
 

@@ -132,6 +132,8 @@ def _write(outdir: pathlib.Path, ctx: Context, done: list, command: str, runtime
         "config": config,
         "sections": {s.key: sections[s.key] for s in SECTIONS if s.key in sections},
     }
+    values = [entry.get("values", {}) for entry in results["sections"].values()]
+    results["verdicts"] = [v for vals in values for v in vals.get("verdicts", [])]
     for status in ("failed", "skipped"):
         results[status] = [k for k, v in results["sections"].items() if v["status"] == status]
     (outdir / "results.json").write_text(json.dumps(to_jsonable(results), indent=2))

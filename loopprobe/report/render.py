@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN, summary_lines
+
 
 def _fmt(v: Any) -> str:
     if isinstance(v, (float, np.floating)):
@@ -39,6 +41,8 @@ def format_summary(done: list, results: dict) -> str:
             lines += ["  " + ln for ln in _text_table(res.frames["slopes"]).splitlines()]
         lines += [f"  note: {n}" for n in res.notes]
         lines.append("")
+    if results.get("verdicts"):
+        lines += ["verdicts:"] + ["  " + ln for ln in summary_lines(results["verdicts"])] + [""]
     n_png = sum(
         1 for s in results["sections"].values() for f in s.get("figures", []) if f.get("png")
     )
@@ -69,7 +73,7 @@ table.tbl th,table.tbl td{border:1px solid #ddd;padding:.25em .6em;text-align:ri
 table.tbl th{background:#f4f4f4} figure{margin:1em 0 2em} figure img{max-width:100%;
 border:1px solid #eee} figcaption{font-size:.9em;color:#444}
 code,pre{background:#f6f8fa;font-size:.8em} pre{padding:.5em;overflow-x:auto;white-space:pre-wrap}
-.skipped{color:#8a6d3b} .failed{color:#a94442} nav a{margin-right:1em}
+.skipped{color:#8a6d3b} .failed{color:#a94442} .ok{color:#2b6e2b} nav a{margin-right:1em}
 .scroll{overflow-x:auto}
 """
 
@@ -83,6 +87,9 @@ def _html_table(df: pd.DataFrame) -> str:
         formatters={c: _fmt for c in df.columns},
         escape=True,
     )
+
+
+_VERDICT_CLASS = {HOLDS: "ok", FAILS: "failed", UNKNOWN: "skipped"}
 
 
 def render_html(results: dict, outdir: pathlib.Path) -> str:
@@ -102,6 +109,14 @@ def render_html(results: dict, outdir: pathlib.Path) -> str:
         mark = "" if st == "ok" else f" <span class='{st}'>({st})</span>"
         parts.append(f"<a href='#{key}'>{e(key)}</a>{mark}")
     parts.append("</nav>")
+    if results.get("verdicts"):
+        items = "".join(
+            f"<li class='{_VERDICT_CLASS[v['verdict']]}'>"
+            f"<b>{e(v['verdict'])}</b> — {e(v['claim'])}: {e(v['measured'])} "
+            f"(expected {e(v['expected'])}{'; ' + e(v['why']) if v['why'] else ''})</li>"
+            for v in results["verdicts"]
+        )
+        parts.append(f"<h2 id='verdicts'>Verdicts</h2><ul class='verdicts'>{items}</ul>")
     for status, meaning in (("failed", "raised an error"), ("skipped", "do not apply")):
         keys = [k for k, v in results["sections"].items() if v["status"] == status]
         if keys:

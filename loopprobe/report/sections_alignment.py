@@ -22,6 +22,7 @@ from loopprobe.report.common import (
     refusal_is_skip,
 )
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Skip
+from loopprobe.report.verdicts import alignment_verdicts
 from loopprobe.sweeps import grid, sweep
 
 
@@ -229,6 +230,7 @@ def alignment_section(ctx: Context) -> Result:
             "rows": bound.to_dict("records"),
             "slopes": slopes.to_dict("records"),
             "failed_cells": failed[["norm", "R", "error"]].to_dict("records"),
+            "verdicts": [v.to_dict() for v in alignment_verdicts(bound, slopes)],
             "converged": bool(bound.converged.all()),
             "reason": "; ".join(
                 f"{r.norm} R={r.R}: {r.reason}" for r in bound[~bound.converged].itertuples()

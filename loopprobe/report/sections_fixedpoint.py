@@ -20,6 +20,7 @@ from loopprobe.estimate.fixedpoint import (
 from loopprobe.estimate.implicit import input_dependence
 from loopprobe.experiments import recall as study
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Skip
+from loopprobe.report.verdicts import fixedpoint_verdicts
 
 
 def _fixedpoint_models(cfg: ReportConfig) -> tuple[list[tuple[str, nn.Module]], torch.Tensor, str]:
@@ -72,7 +73,11 @@ def fixedpoint_section(ctx: Context) -> Result:
         },
         tables=[(f"Fixed point of one round (R = {R}, float64)", table)],
         summary=table.drop(columns=["reason"]),
-        values={"variants": table.to_dict("records"), "models": how},
+        values={
+            "variants": table.to_dict("records"),
+            "models": how,
+            "verdicts": [v.to_dict() for v in fixedpoint_verdicts(table)],
+        },
         notes=notes,
         figures=[
             Fig(

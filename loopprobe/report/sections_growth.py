@@ -11,6 +11,7 @@ from loopprobe.experiments.coordcheck import reference_coord_check
 from loopprobe.experiments.growth import reference_growth, start_at_rms
 from loopprobe.report.common import _batch, _gpt, refusal_is_skip
 from loopprobe.report.config import Context, Fig, Result, Skip
+from loopprobe.report.verdicts import coordcheck_verdicts, growth_verdicts
 
 _GROWTH_PREDICTION = {
     ("tied", "1/sqrt(N)"): 0.5,
@@ -79,7 +80,10 @@ def increments_section(ctx: Context) -> Result:
         frames={"growth": growth, "cosines": cos, "regimes": summary},
         tables=[("Growth exponent of ‖h_N − h_0‖/‖h_0‖ in N, pre-norm, at init", summary)],
         summary=summary,
-        values={"regimes": summary.to_dict("records")},
+        values={
+            "regimes": summary.to_dict("records"),
+            "verdicts": [v.to_dict() for v in growth_verdicts(summary, len(cfg.Ns))],
+        },
         figures=[
             Fig(
                 "increments_growth",
@@ -161,7 +165,11 @@ def coordcheck_section(ctx: Context) -> Result:
             )
         ],
         summary=flat,
-        values={"flatness": flat.to_dict("records"), "config": cc.config},
+        values={
+            "flatness": flat.to_dict("records"),
+            "config": cc.config,
+            "verdicts": [v.to_dict() for v in coordcheck_verdicts(flat, len(cfg.cc_Ns))],
+        },
         figures=[
             Fig(
                 "coordcheck_state",
