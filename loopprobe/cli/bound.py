@@ -166,7 +166,27 @@ def _report(args: argparse.Namespace, Rs: list[int], first: object, sweep: objec
         "theory": _theory_slopes(args),
         "rows": rows,
     }
+    report["verdicts"] = _verdicts(report)
     return report
+
+
+def _verdicts(report: dict) -> list[dict]:
+    """The slope of ||dF|| in R against the bound's (kappa measured), and C against a band."""
+    from loopprobe.report.verdicts import C_BAND, band_verdict, slope_verdict
+
+    claim = "||dF|| after one step grows in R as M_g kappa_R (beta/alpha)^2 predicts"
+    return [
+        slope_verdict(
+            "bound",
+            claim,
+            report["slope"],
+            report["slope_prediction"],
+            points=len(report["rows"]),
+            converged=report["converged"],
+            reason="not every kappa_R converged",
+        ).to_dict(),
+        band_verdict("bound", "C is a constant in R", report["C"], C_BAND).to_dict(),
+    ]
 
 
 def _per_model_loss(targets: dict) -> object:
@@ -231,6 +251,9 @@ def format_report(report: dict) -> str:
         lines.append("converged: yes (every kappa_R certified; every true change above roundoff)")
     else:
         lines.append(f"converged: NO: {report['reason']}")
+    from loopprobe.report.verdicts import summary_lines
+
+    lines += ["verdicts:"] + ["  " + ln for ln in summary_lines(report["verdicts"])]
     return "\n".join(lines)
 
 
