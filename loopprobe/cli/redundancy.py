@@ -1,4 +1,4 @@
-"""``loopprobe redundancy``: FlashLoop's three observations per loop (loopprobe.estimate.redundancy).
+"""``loopprobe redundancy``: FlashLoop's three observations per loop.
 
 Example::
 

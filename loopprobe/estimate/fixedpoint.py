@@ -125,7 +125,8 @@ def fixed_point(
                 reason = f"the step returned NaN/inf at iteration {k}"
                 break
             if state_norm(Th) > limit:
-                reason = f"diverged: ||T(h)|| = {state_norm(Th):.3g} at iteration {k} (blowup={blowup:g})"
+                size = state_norm(Th)
+                reason = f"diverged: ||T(h)|| = {size:.3g} at iteration {k} (blowup={blowup:g})"
                 break
             f = Th - h
             residuals.append(rel(f, h))

@@ -3,7 +3,8 @@
 At ``h* = T(h*, x)``, ``dh*/dx = (I - dT/dh)^{-1} dT/dx``; :func:`input_dependence` gets
 its operator norm from GMRES solves on JVPs/VJPs, next to the derivative of the unrolled
 R rounds. Reached states come from :func:`loopprobe.estimate.fixedpoint.fixed_point`; the round
-map and JVP plumbing from :mod:`loopprobe.differentiate.roundmap`. Reference: docs/definitions.md §4.
+map and JVP plumbing from :mod:`loopprobe.differentiate.roundmap`.
+Reference: docs/definitions.md §4.
 """
 
 from __future__ import annotations

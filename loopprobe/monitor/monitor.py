@@ -23,7 +23,7 @@ Diagnostics (names for ``diagnostics=``), cheapest first; the default is the che
   ``G_tied = ||sum_r G_r||``, consecutive-visit cosine ``cos_G_prev`` per visit and its
   mean ``cos_G_adjacent`` per sublayer, and ``probe_loss``;
 - ``"increments"``: per-visit increment RMS, per-group ``inc_ratio`` and mean off-diagonal
-  cosine ``inc_cos``, and the stream's ``growth`` (:func:`loopprobe.estimate.increments`, no backward);
+  cosine ``inc_cos``, and the stream's ``growth`` (:func:`loopprobe.increments`, no backward);
 - ``"kappa"``: ``kappa_R``, ``kappa_bar`` and ``kappa`` per sublayer
   (:func:`loopprobe.visit_alignment`; Krylov on JVP/VJP: hundreds of training steps' worth
   of compute); it also yields every ``"updates"`` and ``"sensitivity"`` number, from the

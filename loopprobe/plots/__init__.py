@@ -5,8 +5,8 @@ mup's coord check does), returns a :class:`matplotlib.figure.Figure` and never c
 ``plt.show``. Without pyplot a figure is a bare ``Figure`` (no global state, no GUI:
 headless, in tests and notebooks alike); when the caller has imported
 ``matplotlib.pyplot`` it is made by ``plt.figure`` and is the current figure, so
-``plt.savefig`` saves it. Either way ``fig.savefig("kappa.png")`` works. Column names are keyword arguments with the producers'
-names as defaults; each docstring lists the columns it reads. Rows with
+``plt.savefig`` saves it. Either way ``fig.savefig("kappa.png")`` works. Column names are
+keyword arguments with the producers' names as defaults; each docstring lists the columns it reads. Rows with
 ``diverged=True`` are left out of every figure.
 
 Notation follows the papers: κ_R (visit alignment), ‖ΔF‖ (output change after one

@@ -1,4 +1,4 @@
-"""Plots of :func:`loopprobe.estimate.redundancy` frames (matplotlib/seaborn imported inside each function).
+"""Plots of :func:`loopprobe.redundancy` frames (matplotlib/seaborn imported inside each function).
 
 Each function takes the tidy frame (``res.to_frame()``, or a concatenation with an extra
 column such as ``model``), draws on ``ax`` (a new figure when ``None``) and returns the axes;
@@ -106,7 +106,8 @@ def lazy_update_cost(
 
     if df.empty or y not in df or "saved" not in df:
         raise ValueError(
-            f"lazy_update_cost: the frame needs the columns 'saved' and {y!r}; pass lazy_update's frame"
+            f"lazy_update_cost: the frame needs the columns 'saved' and {y!r}; "
+            "pass lazy_update's frame"
         )
     ax = _axes(ax)
     sns.lineplot(df, x="saved", y=y, hue=hue, marker="o", ax=ax)

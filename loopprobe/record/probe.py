@@ -415,7 +415,8 @@ def attach(
     ``sublayers``: module names or dotted globs (``"blocks.*.attn"``; ``*`` is one path
     segment, ``**`` several). Modules that hold the same parameter objects are one physical
     sublayer. Default: ``model.loopprobe_sublayers`` if present, else discovery from the
-    first forward (see :mod:`loopprobe.record.discover`). ``exclude``: patterns removed from the list.
+    first forward (see :mod:`loopprobe.record.discover`). ``exclude``: patterns removed from
+    the list.
 
     Example::
 
