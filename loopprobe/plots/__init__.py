@@ -6,8 +6,8 @@ mup's coord check does), returns a :class:`matplotlib.figure.Figure` and never c
 headless, in tests and notebooks alike); when the caller has imported
 ``matplotlib.pyplot`` it is made by ``plt.figure`` and is the current figure, so
 ``plt.savefig`` saves it. Either way ``fig.savefig("kappa.png")`` works. Column names are
-keyword arguments with the producers' names as defaults; each docstring lists the columns it reads. Rows with
-``diverged=True`` are left out of every figure.
+keyword arguments with the producers' names as defaults; each docstring lists the columns
+it reads. Rows with ``diverged=True`` are left out of every figure.
 
 Notation follows the papers: κ_R (visit alignment), ‖ΔF‖ (output change after one
 step), β/α (update-to-residual ratio), ρ(∂T/∂h) (spectral radius of one round).
