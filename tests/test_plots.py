@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import matplotlib.image
 import numpy as np
 import pandas as pd
@@ -218,3 +221,36 @@ def test_a_missing_column_names_the_plot_the_column_and_the_keyword():
 def test_hue_none_draws_a_single_line():
     fig = plots.kappa_vs_R(pd.DataFrame({"R": [1, 2, 4], "kappa": [1.0, 1.5, 2.0]}), hue=None)
     assert len(data_lines(fig.axes[0])) == 1 + 2
+
+
+def test_plt_savefig_after_a_loopprobe_plot_saves_that_figure_not_a_blank_one(tmp_path):
+    # in a subprocess: importing pyplot here would make every later figure pyplot-managed
+    code = f"""
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import subprocess
+import sys
+
+import matplotlib.image
+import pandas as pd
+import loopprobe as lp
+df = pd.DataFrame({{"norm": ["deepnorm"] * 3, "R": [1, 2, 4], "kappa": [1.0, 1.9, 3.7]}})
+fig = lp.plots.kappa_vs_R(df)
+assert plt.gcf() is fig
+plt.savefig({str(tmp_path / "k.png")!r})
+img = matplotlib.image.imread({str(tmp_path / "k.png")!r})
+assert img[..., :3].std() > 0.01, "blank image"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+
+
+def test_without_pyplot_a_plot_is_a_bare_figure_that_pyplot_does_not_track():
+    code = (
+        "import sys, pandas as pd, loopprobe as lp\n"
+        "df = pd.DataFrame({'norm': ['deepnorm'] * 3, 'R': [1, 2, 4], 'kappa': [1.0, 1.9, 3.7]})\n"
+        "lp.plots.kappa_vs_R(df)\n"
+        "import matplotlib.pyplot as plt\n"
+        "assert plt.get_fignums() == []\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)

@@ -3,17 +3,18 @@
 Every function takes a long-format pandas DataFrame (one row per config/visit/step, as
 mup's coord check does), returns a :class:`matplotlib.figure.Figure` and never calls
 ``plt.show``. Without pyplot a figure is a bare ``Figure`` (no global state, no GUI:
-headless, in tests and notebooks alike); when the caller has imported
-``matplotlib.pyplot`` it is made by ``plt.figure`` and is the current figure, so
-``plt.savefig`` saves it. Either way ``fig.savefig("kappa.png")`` works. Column names are
-keyword arguments with the producers' names as defaults; each docstring lists the columns
-it reads. Rows with ``diverged=True`` are left out of every figure.
+headless, in tests and notebooks alike); when the caller had imported
+``matplotlib.pyplot`` before the first loopprobe plot, it is made by ``plt.figure``
+and is the current figure, so ``plt.savefig`` saves it. Either way
+``fig.savefig("kappa.png")`` works. Column names are keyword arguments with the
+producers' names as defaults; each docstring lists the columns it reads. Rows with ``diverged=True`` are left out of every figure.
 
 Notation follows the papers: κ_R (visit alignment), ‖ΔF‖ (output change after one
 step), β/α (update-to-residual ratio), ρ(∂T/∂h) (spectral radius of one round).
 """
 
 from loopprobe._stats import loglog_slope  # the slope the figures draw, for notebooks
+from loopprobe.plots._base import CALLER_PYPLOT  # noqa: F401 - first: before seaborn loads pyplot
 from loopprobe.plots.alignment import (
     delta_f_vs_R,
     kappa_vs_R,

@@ -8,10 +8,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-import seaborn as sns
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+#: whether the caller had imported pyplot before loopprobe's plots were loaded (seaborn
+#: imports pyplot itself, so a later import cannot be told apart from seaborn's)
+CALLER_PYPLOT = "matplotlib.pyplot" in sys.modules
+
+import seaborn as sns  # noqa: E402 - after the check above
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 REF = {"color": "0.45", "linestyle": "--", "linewidth": 1.0}  # reference (theory) lines
 
@@ -28,12 +33,13 @@ class PlotFigure(Figure):
 def new_figure(ncols: int = 1, nrows: int = 1, size: tuple[float, float] = (5.0, 3.6)):
     """A Figure with seaborn's whitegrid style applied to its axes only (no global rc).
 
-    When the caller uses pyplot (``matplotlib.pyplot`` is imported), the figure is made by
-    ``plt.figure`` and is pyplot's current figure; otherwise it is a bare ``Figure``.
+    When the caller uses pyplot (had imported ``matplotlib.pyplot`` before the first
+    loopprobe plot), the figure is made by ``plt.figure`` and is pyplot's current figure;
+    otherwise it is a bare ``Figure`` that pyplot does not track (nothing to close).
     """
     figsize = (size[0] * ncols, size[1] * nrows)
     with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.9):
-        if "matplotlib.pyplot" in sys.modules:  # a pyplot user: the new figure is current,
+        if CALLER_PYPLOT:  # a pyplot user: the new figure is pyplot's current figure,
             import matplotlib.pyplot as plt  # so plt.savefig / plt.show see it
 
             fig = plt.figure(figsize=figsize, layout="constrained", FigureClass=PlotFigure)
