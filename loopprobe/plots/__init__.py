@@ -7,7 +7,8 @@ headless, in tests and notebooks alike); when the caller had imported
 ``matplotlib.pyplot`` before the first loopprobe plot, it is made by ``plt.figure``
 and is the current figure, so ``plt.savefig`` saves it. Either way
 ``fig.savefig("kappa.png")`` works. Column names are keyword arguments with the
-producers' names as defaults; each docstring lists the columns it reads. Rows with ``diverged=True`` are left out of every figure.
+producers' names as defaults; each docstring lists the columns it reads. Rows with
+``diverged=True`` are left out of every figure.
 
 Notation follows the papers: κ_R (visit alignment), ‖ΔF‖ (output change after one
 step), β/α (update-to-residual ratio), ρ(∂T/∂h) (spectral radius of one round).
