@@ -25,7 +25,7 @@ from loopprobe.plots.alignment import (
 )
 from loopprobe.plots.fixedpoint import eigenvalues, fixed_point_residuals
 from loopprobe.plots.growth import coord_check, increment_growth, lr_transfer, stream_plot
-from loopprobe.plots.monitor import kappa_vs_step, visit_heatmap
+from loopprobe.plots.monitor import kappa_vs_step, training_watch, visit_heatmap
 from loopprobe.plots.redundancy import (
     attention_sparsity,
     kv_quantization,
@@ -41,6 +41,7 @@ __all__ = [
     "lazy_update_cost",
     "loop_similarity",
     "token_concentration",
+    "training_watch",
     "visit_heatmap",
     "coord_check",
     "delta_f_vs_R",

@@ -134,3 +134,44 @@ def _norm(log: bool, lo: float, hi: float):
     if log and lo > 0 and math.isfinite(lo) and hi > lo:
         return LogNorm(lo, hi)
     return Normalize(lo, hi if hi > lo else lo + 1)
+
+
+def training_watch(frame: pd.DataFrame, *, R: int | None = None) -> Figure:
+    """Four panels per scheme against step: kappa_R / R, training loss, the mean per-visit
+    ``||G_r||``, and rho of one round (``loopprobe watch``'s frame: a ``scheme`` column).
+
+    ``R``: divide kappa_R by it (default: the largest visit index + 1 in the frame).
+    Reference: seed 002, Eq. 12 (kappa_R); docs/definitions.md §4 (rho).
+    """
+    from loopprobe.plots._base import new_figure, palette
+
+    call = "training_watch"
+    _check(call, frame)
+    if "scheme" not in frame:
+        raise ValueError(f"{call}: the frame needs a 'scheme' column (loopprobe watch's frame)")
+    if R is None:
+        visits = frame["visit"].dropna()
+        R = int(visits.max()) + 1 if len(visits) else 1
+    fig, axes = new_figure(ncols=2, nrows=2)
+    schemes = list(pd.unique(frame["scheme"]))
+    colors = dict(zip(schemes, palette(len(schemes)), strict=True))
+    panels = [
+        ("kappa_R", f"κ_R / R (R = {R})", 1.0 / R, False),
+        ("loss", "training loss", 1.0, False),
+        ("G_norm", "mean per-visit ‖G_r‖", 1.0, True),
+        ("rho", "ρ(∂T/∂h) of one round", 1.0, False),
+    ]
+    for ax, (quantity, label, scale, logy) in zip(axes.flat, panels, strict=True):
+        for scheme in schemes:
+            sub = frame[(frame.scheme == scheme) & (frame.quantity == quantity)]
+            if sub.empty:
+                continue
+            series = sub.groupby("step")["value"].mean() * scale
+            ax.plot(series.index, series.values, marker="o" if len(series) < 8 else None,
+                    markersize=4, color=colors[scheme], label=scheme)  # fmt: skip
+        if logy:
+            ax.set_yscale("log")
+        ax.set(xlabel="training step", ylabel=label)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("Training with the monitor on: alignment, loss, updates, round map")
+    return fig
