@@ -5,6 +5,7 @@ Gram matrices), :mod:`.bound` (the tied-depth bound and C), :mod:`.increments` a
 :mod:`.growth` (forward increment correlation, growth exponent, regime). Per round:
 :mod:`.fixedpoint` (fixed point, residuals, ρ, ‖∂T/∂h‖), :mod:`.implicit` (‖dh*/dx‖),
 :mod:`.finitestep` (A, Q, α̂), :mod:`.instability` (oscillation and explosion flags).
-Fits: :mod:`.scaling` (the recurrence scaling law). Every module returns result objects
+Fits: :mod:`.scaling_law` and :mod:`.scaling` (the recurrence scaling law). Loop
+redundancy (FlashLoop's observations): :mod:`.redundancy`. Every module returns result objects
 with tidy frames; plotting is :mod:`loopprobe.plots`, imported on call.
 """

@@ -3,7 +3,8 @@
 :func:`coord_check` and :func:`lr_transfer` take any model family; the ``reference_*``
 functions run them (and the growth sweep) on the reference :class:`~loopprobe.models.LoopedGPT`;
 :func:`recall_study` trains the recall / outer-norm variants for fixed-point reachability;
-:func:`record_training` trains a model while recording :func:`loopprobe.instability`.
+:func:`record_training` trains a model while recording :func:`loopprobe.instability`;
+:func:`watch_training` trains the reference model per scheme with :class:`loopprobe.Monitor` on.
 Results are cached per configuration by :func:`loopprobe.sweep` where a ``cache_dir`` is given.
 """
 
@@ -12,6 +13,7 @@ from loopprobe.experiments.coordcheck import CoordCheck, coord_check, reference_
 from loopprobe.experiments.growth import reference_growth
 from loopprobe.experiments.lrtransfer import LRTransfer, lr_transfer, reference_lr_transfer
 from loopprobe.experiments.recall import recall_study
+from loopprobe.experiments.watch import watch_training
 
 __all__ = [
     "CoordCheck",
@@ -24,4 +26,5 @@ __all__ = [
     "reference_coord_check",
     "reference_growth",
     "reference_lr_transfer",
+    "watch_training",
 ]
