@@ -2,7 +2,10 @@
 
 :func:`watch_training` trains :class:`~loopprobe.models.LoopedGPT` on byte-level standard
 library text (``lp.tasks.stdlib_text``) once per scheme, with a :class:`loopprobe.Monitor`
-on a held-out probe batch: per-visit ``||G_r||`` and consecutive-visit cosines often,
+on a held-out probe batch: per-visit gradients ``||G_r||`` (raw, ``update="sgd"``: the
+theory's G; Adam's effective per-visit step from a fresh state divides each visit's
+gradient by the tied one elementwise and blows up where visits cancel) and consecutive-visit
+cosines often,
 kappa_R (with per-visit ``||U_r||``) and rho of one round at a few steps. It answers: does
 the visits' alignment persist after initialization, does DeepNorm's larger tied bound
 show as larger updates or instability, does the loss differ? ``loopprobe watch`` runs it
@@ -97,7 +100,7 @@ def _cell(cfg: dict) -> list[dict]:
         lambda out, _inputs: lm_loss(out, probe_y),
         every=cfg["every"],
         diagnostics={"updates": 1, "kappa": heavy, "rho": heavy},
-        update=opt,
+        update="sgd",  # raw per-visit gradients: kappa as the theory defines it (Eq. 12)
         seed=cfg["seed"],
     )
     mon.step(0)  # at initialization, before any update
@@ -132,4 +135,4 @@ def _val_batches(seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [stdlib_text(16, seq_len, gen, "val") for _ in range(4)]
 
 
-_cell.version = 1
+_cell.version = 2  # G is the raw gradient (SGD), not Adam's step
