@@ -8,7 +8,11 @@ residual 1e-10), state changes exactly zero.
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -17,6 +21,8 @@ import torch.multiprocessing as mp
 from _distributed_workers import BATCH, BUILD, KRYLOV, gpt, lm_loss, run
 
 import loopprobe as lp
+from loopprobe.cli import build_parser
+from loopprobe.cli.kappa import build_report
 
 WORLD = 2
 CASES = ["gpt", "ckpt", "fsdp2"]
@@ -133,3 +139,29 @@ def test_low_memory_updates_are_refused_when_reducing_over_ranks():
         lp.per_visit_updates(probe, BATCH["gpt"], lm_loss, memory="low")
     with pytest.raises(ValueError, match="bound_check: not distributed-aware"):
         lp.bound_check(probe, BATCH["gpt"], lm_loss)
+
+
+def test_the_torchrun_recipe_prints_the_single_process_kappa_report(tmp_path):
+    flags = ["--R", "3", "--d-model", "16", "--heads", "2", "--seq", "8", "--batch", "4"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc-per-node", str(WORLD), "-m", "loopprobe.cli", "ddp-kappa"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*cmd, *flags, "--json"], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    want = build_report(build_parser().parse_args(["kappa", *flags, "--threads", "1"]))
+    assert got["ranks"] == WORLD and got["global_batch"] == 4
+    assert got["kappa"] == pytest.approx(want["kappa"], rel=1e-8)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-12)
+    for g, w in zip(got["visits"], want["visits"], strict=True):
+        assert g["U_norm"] == pytest.approx(w["U_norm"], rel=1e-8)
+        assert g["G_norm"] == pytest.approx(w["G_norm"], rel=1e-9)
+
+
+def test_ddp_kappa_outside_torchrun_says_how_to_launch_it(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    args = build_parser().parse_args(["ddp-kappa", "--R", "2"])
+    with pytest.raises(ValueError, match="launch it with torchrun"):
+        args.func(args)
