@@ -19,7 +19,8 @@ collectives (nothing here talks to the network itself):
 
 :class:`Ranks` is the process group; :func:`unwrap` finds the module to probe (DDP's
 ``.module``) and refuses sharded parameters (FSDP1 flat parameters, FSDP2 DTensors),
-naming the full-replica route that works for both. This module may import
+naming the full-replica route that works for both (:func:`full_replica`: one full
+copy of the parameters per rank). This module may import
 torch.distributed but no loopprobe layer.
 """
 
@@ -101,11 +102,32 @@ def refuse(ranks: Ranks | None, call: str) -> None:
 
 
 _REPLICA = (
-    "probe a full replica instead: on every rank build the same model unsharded, load "
-    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options="
-    "StateDictOptions(full_state_dict=True)) into it, and use lp.attach(replica, "
-    "ranks=lp.distributed.Ranks()) (docs/distributed.md)"
+    "probe a full replica instead: build the same model unsharded on every rank and call "
+    "loopprobe.distributed.full_replica(model, replica) (it loads torch.distributed."
+    "checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+    "full_state_dict=True))), then lp.attach(replica, ranks=loopprobe.distributed.Ranks()) "
+    "(docs/distributed.md)"
 )
+
+
+def full_replica(model: nn.Module, replica: nn.Module) -> nn.Module:
+    """Load the full (unsharded) state of a sharded ``model`` into ``replica`` and return it.
+
+    ``replica`` is an unsharded instance of the same architecture on this rank. The state
+    is gathered with ``get_model_state_dict(..., full_state_dict=True)`` (a collective:
+    call it on every rank); ``model``, its shards and its optimizer are only read. Memory:
+    one full copy of the parameters per rank while probing.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if any(_is_dtensor(p) for p in replica.parameters()):
+        raise TypeError(
+            "full_replica: the replica holds DTensor parameters; pass a fresh unsharded "
+            "instance of the model (the one built before fully_shard)"
+        )
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    replica.load_state_dict(full)
+    return replica
 
 
 def unwrap(model: nn.Module, call: str = "attach") -> tuple[nn.Module, Ranks | None]:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import loopprobe as lp
-from loopprobe.distributed import Ranks
+from loopprobe.distributed import Ranks, full_replica
 from loopprobe.models import GPTConfig, LoopedGPT
 
 KRYLOV = {"method": "lanczos", "max_iter": 60}
@@ -120,7 +120,6 @@ def ddp_case(kind: str, rank: int, world: int) -> dict:
 
 
 def fsdp2_case(rank: int, world: int) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -145,10 +144,14 @@ def fsdp2_case(rank: int, world: int) -> dict:
         lp.attach(model)
     except TypeError as err:
         out["refusal"] = str(err)
-    # The replica route the refusal names.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    replica = gpt()
-    replica.load_state_dict(full)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    try:
+        lp.attach(FSDP1(gpt(), device_id=torch.device("cpu")))
+    except TypeError as err:
+        out["refusal_fsdp1"] = str(err)
+    # The replica route the refusals name.
+    replica = full_replica(model, gpt())
     out["weights"] = copy.deepcopy(replica.state_dict())
     probe = lp.attach(replica, ranks=Ranks())
     out["global"] = summary(lp.visit_alignment(probe, x, lm_loss, **KRYLOV), probe)

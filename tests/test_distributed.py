@@ -23,6 +23,7 @@ from _distributed_workers import BATCH, BUILD, KRYLOV, gpt, lm_loss, run
 import loopprobe as lp
 from loopprobe.cli import build_parser
 from loopprobe.cli.kappa import build_report
+from loopprobe.distributed import Ranks
 
 WORLD = 2
 CASES = ["gpt", "ckpt", "fsdp2"]
@@ -122,11 +123,13 @@ def test_ddp_modes_are_kept(ranks):
         assert res["gpt"]["mode"] == (True, True)
 
 
-def test_fsdp2_is_refused_with_the_replica_route_and_its_sharding_is_kept(ranks):
+def test_fsdp1_and_fsdp2_are_refused_with_the_replica_route_and_sharding_is_kept(ranks):
     for res in ranks:
         got = res["fsdp2"]
+        assert "FSDP1 (FullyShardedDataParallel)" in got["refusal_fsdp1"]
+        assert "full_replica(model, replica)" in got["refusal_fsdp1"]
         assert "FSDP2 fully_shard" in got["refusal"]
-        assert "get_model_state_dict" in got["refusal"] and "ranks=" in got["refusal"]
+        assert "full_replica(model, replica)" in got["refusal"] and "ranks=" in got["refusal"]
         assert got["placements_kept"] and got["still_dtensor"]
 
 
@@ -165,3 +168,14 @@ def test_ddp_kappa_outside_torchrun_says_how_to_launch_it(monkeypatch):
     args = build_parser().parse_args(["ddp-kappa", "--R", "2"])
     with pytest.raises(ValueError, match="launch it with torchrun"):
         args.func(args)
+
+
+def test_ranks_without_an_initialised_process_group_say_how_to_start_one():
+    with pytest.raises(ValueError, match="Ranks: torch.distributed is not initialised"):
+        Ranks()
+
+
+def test_a_plain_model_is_probed_as_itself_and_in_this_process_only():
+    model = gpt()
+    probe = lp.attach(model)
+    assert probe.model is model and probe.ranks is None
