@@ -84,10 +84,16 @@ class Ranks:
             )
 
 
-def scope(ranks: Ranks | None) -> str:
-    """How a result's numbers are to be read: global over the ranks, or one process."""
+def scope(ranks: Ranks | None, *, per_rank: bool = False) -> str:
+    """How a result's numbers are to be read: global over the ranks, or one process.
+
+    ``per_rank``: the estimator does not reduce (e.g. increments: activation statistics
+    of this rank's shard, a sample of the same population as the global batch).
+    """
     if ranks is None:
         return "this process"
+    if per_rank:
+        return f"this rank's shard only (rank {ranks.rank} of {ranks.size}; not reduced)"
     return f"global over {ranks.size} ranks (rank {ranks.rank} reporting)"
 
 

@@ -111,6 +111,9 @@ def ddp_case(kind: str, rank: int, world: int) -> dict:
     per_rank = lp.visit_alignment(lp.attach(model), x, lm_loss, **KRYLOV)
     out = {"weights": weights, "changed": largest_change(state(model, opt), before)}
     out |= {"global": summary(rep, probe), "per_rank": summary(per_rank, probe)}
+    out["increments_scope"] = lp.increments(probe, x).attrs["scope"]
+    if kind == "ckpt":  # Adam's preconditioner needs the global tied gradient
+        out["adam"] = summary(lp.visit_alignment(probe, x, lm_loss, update="adam", **KRYLOV), probe)
     train_step(ddp, opt, x)
     out["ddp_grad"] = full_grads(ddp)
     train_step(ddp_twin, opt_twin, x)

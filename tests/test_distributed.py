@@ -98,6 +98,20 @@ def test_the_reduced_tied_update_is_the_single_process_one_and_the_wrappers_aver
             torch.testing.assert_close(got["global"]["G_tied"][j], grad, rtol=1e-9, atol=1e-13)
 
 
+def test_adam_effective_updates_are_preconditioned_with_the_global_tied_gradient(ranks):
+    model = BUILD["ckpt"]()
+    model.load_state_dict(ranks[0]["ckpt"]["weights"])
+    ref = lp.visit_alignment(lp.attach(model), BATCH["ckpt"], lm_loss, update="adam", **KRYLOV)
+    for res in ranks:
+        got = res["ckpt"]["adam"]
+        torch.testing.assert_close(
+            got["G"], torch.tensor(list(ref.visits.G_norm)), rtol=1e-9, atol=0
+        )
+        torch.testing.assert_close(
+            got["kappa"], torch.tensor(list(ref.sublayers.kappa)), rtol=1e-8, atol=0
+        )
+
+
 def test_per_rank_numbers_differ_from_the_global_ones_so_the_comparison_has_power(ranks):
     # Averaging the ranks' own norms is the bug the reduction avoids: on these shards it is
     # off by far more than the tolerances above.
@@ -118,9 +132,12 @@ def test_probing_leaves_params_grads_optimizer_state_and_the_next_step_unchanged
         assert res[kind]["vs_twin"] == 0.0
 
 
-def test_ddp_modes_are_kept(ranks):
-    for res in ranks:
+def test_ddp_modes_are_kept_and_unreduced_increments_are_labelled_per_rank(ranks):
+    for q, res in enumerate(ranks):
         assert res["gpt"]["mode"] == (True, True)
+        assert (
+            res["gpt"]["increments_scope"] == f"this rank's shard only (rank {q} of 2; not reduced)"
+        )
 
 
 def test_fsdp1_and_fsdp2_are_refused_with_the_replica_route_and_sharding_is_kept(ranks):

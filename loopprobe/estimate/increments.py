@@ -47,7 +47,7 @@ from torch import nn
 
 from loopprobe._checks import Trust
 from loopprobe._stats import cosine_matrix
-from loopprobe.distributed import refuse
+from loopprobe.distributed import scope
 from loopprobe.record.increments import Collector, IncrementFn, caller_rng, refuse_routing
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Visit, VisitRecord
@@ -289,7 +289,6 @@ def increments(
             "stream) or a callable record -> Tensor"
         )
     probe = model if isinstance(model, Probe) else Probe(_module(model, call), sublayers)
-    refuse(probe.ranks, call)  # increments are activations of this rank's shard
     if forward is None and callable(getattr(probe.model, "hidden", None)):
         forward = _hidden
     with caller_rng(probe.model):
@@ -355,6 +354,7 @@ def increments(
         measured=col.measured,
         evidence=col.evidence,
         problems=col.problems,
+        attrs={} if probe.ranks is None else {"scope": scope(probe.ranks, per_rank=True)},
     )
 
 
