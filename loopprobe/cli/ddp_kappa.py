@@ -8,8 +8,8 @@ numbers equal ``loopprobe kappa`` on the whole batch in one process. Rank 0 prin
 
 Example (CPU, gloo)::
 
-    torchrun --standalone --nproc-per-node 2 -m loopprobe ddp-kappa --R 4 --batch 8
-    torchrun --standalone --nproc-per-node 8 -m loopprobe ddp-kappa --model pkg.mod:make \\
+    torchrun --standalone --nproc-per-node 2 -m loopprobe.cli ddp-kappa --R 4 --batch 8
+    torchrun --standalone --nproc-per-node 8 -m loopprobe.cli ddp-kappa --model pkg.mod:make \\
         --inputs pkg.mod:batch --loss pkg.mod:loss --backend nccl
 """
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ValueError(
             "ddp-kappa: RANK/WORLD_SIZE are not set; launch it with torchrun, e.g. "
-            "torchrun --standalone --nproc-per-node 2 -m loopprobe ddp-kappa --R 4"
+            "torchrun --standalone --nproc-per-node 2 -m loopprobe.cli ddp-kappa --R 4"
         )
     import torch
     import torch.distributed as dist
