@@ -51,6 +51,9 @@ class Ranks:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # NCCL reduces CUDA tensors only; gloo is given CPU tensors (its CUDA support varies).
+        nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
 
     def __repr__(self) -> str:
         return f"Ranks(size={self.size}, rank={self.rank})"
@@ -59,9 +62,9 @@ class Ranks:
         """``sum_q t^{(q)}`` over the ranks (a new tensor, identical on every rank)."""
         import torch.distributed as dist
 
-        out = t.detach().clone().contiguous()
+        out = t.detach().to(self.device or "cpu", copy=True).contiguous()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
+        return out.to(t.device)
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean over ranks, as DDP averages gradients."""
@@ -71,10 +74,11 @@ class Ranks:
         """Raise unless every rank holds the same integers (e.g. visit counts)."""
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.long)
+        t = torch.tensor(values, dtype=torch.long, device=self.device or "cpu")
         hi, lo = t.clone(), -t
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
         dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.group)
+        hi, lo = hi.cpu(), lo.cpu()
         if not torch.equal(hi, -lo):
             raise ValueError(
                 f"{call}: the ranks disagree on {what} (this rank {values}, max {hi.tolist()}, "

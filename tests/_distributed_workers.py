@@ -168,6 +168,18 @@ def fsdp2_case(rank: int, world: int) -> dict:
     return out
 
 
+def disagreeing_visits(rank: int, world: int) -> str:
+    """Ranks whose forwards visit a sublayer a different number of times (as ACT halting
+    would) have no global per-visit G: the probe must say so on every rank, not hang."""
+    model = seeded_build(lambda: LoopedEncoder(vocab=16, R=2 + rank))
+    x = BATCH["ckpt"].chunk(world)[rank]
+    try:
+        lp.per_visit_updates(lp.attach(model, ranks=Ranks()), x, lm_loss)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def run(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     url = f"tcp://127.0.0.1:{port}"
@@ -175,6 +187,7 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     try:
         res = {kind: ddp_case(kind, rank, world) for kind in BUILD}
         res["fsdp2"] = fsdp2_case(rank, world)
+        res["disagree"] = disagreeing_visits(rank, world)
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

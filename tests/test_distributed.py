@@ -150,6 +150,14 @@ def test_fsdp1_and_fsdp2_are_refused_with_the_replica_route_and_sharding_is_kept
         assert got["placements_kept"] and got["still_dtensor"]
 
 
+def test_ranks_that_visit_a_sublayer_a_different_number_of_times_are_refused_on_every_rank(
+    ranks,
+):
+    for res in ranks:
+        assert "the ranks disagree on the number of visits" in res["disagree"]
+        assert "max [3]" in res["disagree"] and "min [2]" in res["disagree"]
+
+
 def test_low_memory_updates_are_refused_when_reducing_over_ranks():
     class FakeRanks:
         size = 2
