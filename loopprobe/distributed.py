@@ -26,6 +26,7 @@ torch.distributed but no loopprobe layer.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -150,9 +151,8 @@ def unwrap(model: nn.Module, call: str = "attach") -> tuple[nn.Module, Ranks | N
     holds DTensor shards that its own hooks swap in and out around each unit's forward,
     which a reused (looped) unit would interleave with the probe's swap.
     """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if isinstance(model, DDP):
+    parallel = sys.modules.get("torch.nn.parallel.distributed")
+    if parallel is not None and isinstance(model, parallel.DistributedDataParallel):
         inner = model.module
         _refuse_sharded(inner, call)
         import torch.distributed as dist
@@ -183,17 +183,15 @@ def _refuse_sharded(model: nn.Module, call: str) -> None:
         )
 
 
+# A model sharded by FSDP or holding DTensors was built with these modules imported, so
+# their absence from sys.modules answers "no" without importing them (seconds at attach).
+
+
 def _is_fsdp2(m: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover (torch built without distributed)
-        return False
-    return isinstance(m, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(m, fsdp.FSDPModule)
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover (torch built without distributed)
-        return False
-    return isinstance(p, DTensor)
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(p, tensor.DTensor)
