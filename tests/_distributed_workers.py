@@ -56,6 +56,7 @@ def summary(rep: lp.AlignmentReport, probe: lp.Probe) -> dict:
         "kappa": torch.tensor(list(rep.sublayers.kappa)),
         "U": torch.tensor(list(rep.visits.U_norm)),
         "G": torch.tensor(list(rep.visits.G_norm)),
+        "keys": list(zip(rep.visits.sublayer, rep.visits.r, strict=True)),
         "G_tied": [rep.updates.tied(j) for j in range(len(rep.updates.sublayers))],
         "params": [[names[id(p)] for p in g.params] for g in probe.groups()],
         "converged": rep.converged,
@@ -112,6 +113,11 @@ def ddp_case(kind: str, rank: int, world: int) -> dict:
     out = {"weights": weights, "changed": largest_change(state(model, opt), before)}
     out |= {"global": summary(rep, probe), "per_rank": summary(per_rank, probe)}
     out["increments_scope"] = lp.increments(probe, x).attrs["scope"]
+    if kind == "gpt":  # the monitor probes through the same Probe: its G rows are global
+        rows = lp.Monitor(ddp, x, lm_loss, diagnostics=("updates",), every=1).step(0)
+        G = rows[rows.quantity == "G_norm"]
+        keys = zip(G.sublayer, G.visit, strict=True)
+        out["monitor_G"] = dict(zip(keys, G.value, strict=True))
     if kind == "ckpt":  # Adam's preconditioner needs the global tied gradient
         out["adam"] = summary(lp.visit_alignment(probe, x, lm_loss, update="adam", **KRYLOV), probe)
     train_step(ddp, opt, x)
