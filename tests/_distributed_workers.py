@@ -49,13 +49,18 @@ BATCH = {
 }
 
 
+def f64(column) -> torch.Tensor:
+    """A frame column as float64 (``torch.tensor`` of Python floats would give float32)."""
+    return torch.tensor(list(column), dtype=torch.float64)
+
+
 def summary(rep: lp.AlignmentReport, probe: lp.Probe) -> dict:
     """The numbers compared across runs, as plain tensors."""
     names = {id(p): n for n, p in probe.model.named_parameters()}
     return {
-        "kappa": torch.tensor(list(rep.sublayers.kappa)),
-        "U": torch.tensor(list(rep.visits.U_norm)),
-        "G": torch.tensor(list(rep.visits.G_norm)),
+        "kappa": f64(rep.sublayers.kappa),
+        "U": f64(rep.visits.U_norm),
+        "G": f64(rep.visits.G_norm),
         "keys": list(zip(rep.visits.sublayer, rep.visits.r, strict=True)),
         "G_tied": [rep.updates.tied(j) for j in range(len(rep.updates.sublayers))],
         "params": [[names[id(p)] for p in g.params] for g in probe.groups()],
