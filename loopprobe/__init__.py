@@ -112,6 +112,7 @@ _SUBMODULES = {
     "report": "loopprobe.report",
     "monitor": "loopprobe.monitor",
     "integrations": "loopprobe.integrations",
+    "distributed": "loopprobe.distributed",
 }
 
 __all__ = ["__version__", *_NAMES, *_SUBMODULES]

@@ -172,7 +172,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def build_report(args: argparse.Namespace) -> dict:
+def build_report(args: argparse.Namespace, target: Any = None) -> dict:
+    """The kappa report; ``target`` (default: built from ``args``) lets ``ddp-kappa`` pass
+    its DDP-wrapped model and this rank's shard of the inputs."""
     check_positive(args, ("K", "d_model", "heads", "seq", "batch", "vocab", "max_iter"))
     if args.R is not None:
         check_positive(args, ("R",))
@@ -184,7 +186,7 @@ def build_report(args: argparse.Namespace) -> dict:
     from loopprobe.estimate.alignment import visit_alignment
     from loopprobe.record.probe import attach
 
-    target = build_target(args, args.R)
+    target = target or build_target(args, args.R)
     apply_threads(args, work(target.model, target.inputs))
     with attach(target.model) as probe, call_hint(target):
         rep = visit_alignment(

@@ -22,6 +22,7 @@ from torch.func import functional_call, jvp
 
 from loopprobe._stats import loglog_slope
 from loopprobe.autodiff import transform_safe
+from loopprobe.distributed import refuse
 from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
 from loopprobe.estimate.updates import LossFn
 from loopprobe.record.probe import Probe
@@ -107,6 +108,7 @@ def bound_check(
     ``sum_j R_j kappa_j (beta/alpha)^2`` (Eq. 20). Reference: seed 002, Eq. 13-14, 20.
     """
     call = "bound_check"
+    refuse(probe.ranks, call)  # its real step would use this rank's gradient only
     if scope not in ("looped", "all"):
         raise ValueError(f"{call}: scope={scope!r}; choose 'looped' or 'all'")
     opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}

@@ -47,6 +47,7 @@ from torch import nn
 
 from loopprobe._checks import Trust
 from loopprobe._stats import cosine_matrix
+from loopprobe.distributed import scope
 from loopprobe.record.increments import Collector, IncrementFn, caller_rng, refuse_routing
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Visit, VisitRecord
@@ -353,6 +354,7 @@ def increments(
         measured=col.measured,
         evidence=col.evidence,
         problems=col.problems,
+        attrs={} if probe.ranks is None else {"scope": scope(probe.ranks, per_rank=True)},
     )
 
 

@@ -153,13 +153,15 @@ def sensitivity_norms(
     jac.vjp_fn()
     assert jac.F0 is not None
     m = jac.F0.numel()
-    ests = _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call)
+    ranks = probe.ranks  # the global batch's operator (loopprobe.distributed)
+    ests = _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call, ranks)
     precision, certified = precision_note(jac.dtypes)
     if not certified:
         ests = [replace(e, converged=False) for e in ests]
     w = torch.randn(m, generator=gen, dtype=torch.float64).to(jac.dtype).to(jac.device)
-    w = w / w.norm()
-    per = jac.transpose_all(w)
+    w = w / (w.norm() if ranks is None else ranks.sum(w.square().sum()).sqrt())
+    per = [t if ranks is None else ranks.sum(t) for t in jac.transpose_all(w)]
+    F_norm = jac.F0.norm() if ranks is None else ranks.sum(jac.F0.square().sum()).sqrt()
     UTw = {}
     for j in sorted({v.j for v in visits}):
         UTw[j] = torch.stack([per[k] for k, v in enumerate(visits) if v.j == j])
@@ -170,7 +172,7 @@ def sensitivity_norms(
         if v.j not in tied and sum(w.j == v.j for w in visits) == 1:
             tied[v.j] = visit_norms[k]
     return Sensitivity(
-        visits, names, visit_norms, tied, UTw, float(jac.F0.norm()), method, jac.jvp.mode, precision
+        visits, names, visit_norms, tied, UTw, float(F_norm), method, jac.jvp.mode, precision
     )
 
 
@@ -228,10 +230,16 @@ def precision_note(dtypes: set[torch.dtype]) -> tuple[str, bool]:
     return text, True
 
 
-def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call) -> list[Estimate]:
+def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call, ranks=None):
+    """Estimates of every operator. With ``ranks`` the operator is the global batch's: its
+    blocks ``U^{(q)}`` live on the ranks, the start vectors are made identical (their mean
+    over ranks), ``U v`` carries one extra entry holding the other ranks' part of ``||U v||``
+    and ``U^T u`` is summed over ranks, so the solver sees ``U^T U = sum_q U^{(q)T} U^{(q)}``.
+    """
     n_of = [jac.n[ks[0]] for ks in ops]
     v0 = torch.randn(len(ops), jac.n_max, generator=gen, dtype=torch.float64)
     v0 = v0.to(jac.dtype).to(jac.device)
+    v0 = v0 if ranks is None else ranks.mean(v0)
     for b, n in enumerate(n_of):
         v0[b, n:] = 0
     low = lowest_precision(jac.dtypes)
@@ -240,10 +248,16 @@ def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call) -> 
 
     def matvec(v: torch.Tensor) -> torch.Tensor:
         last["v"] = v
-        return jac.matvec(v, masks, chunk_size)
+        u = jac.matvec(v, masks, chunk_size)
+        if ranks is None:
+            return u
+        mine = u.square().sum(1)
+        others = (ranks.sum(mine) - mine).clamp_min(0).sqrt()
+        return torch.cat([u, others[:, None]], 1)
 
     def rmatvec(u: torch.Tensor) -> torch.Tensor:
-        w = jac.rmatvec(u, masks, chunk_size)
+        w = jac.rmatvec(u if ranks is None else u[:, :-1], masks, chunk_size)
+        w = w if ranks is None else ranks.sum(w)
         # Adjointness <U^T U v, v> = ||U v||^2, up to roundoff on the scale of ||U||^2.
         uu = (u * u).sum(1)
         wv = (w * last["v"]).sum(1) / last["v"].square().sum(1).clamp_min(1e-300)

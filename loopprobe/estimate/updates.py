@@ -127,6 +127,12 @@ def per_visit_updates(
     _check_update(update, call)
     if memory not in ("full", "low"):
         raise ValueError(f"{call}: memory={memory!r}; choose 'full' or 'low'")
+    ranks = probe.ranks  # G reduced across ranks as DDP reduces .grad (loopprobe.distributed)
+    if ranks is not None and memory == "low":
+        raise ValueError(
+            f"{call}: memory='low' keeps only norms, which cannot be reduced across "
+            f"{ranks.size} ranks; use memory='full' (or attach to model.module for per-rank)"
+        )
     groups = probe.groups(inputs, forward, seed=seed)
     leaves: list[tuple[Visit, list[torch.Tensor]]] = []
 
@@ -147,7 +153,7 @@ def per_visit_updates(
                 + first_nonfinite_visit(probe, inputs, forward, seed)
             )
         counts = [sum(v.j == j for v in trace.visits) for j in range(len(groups))]
-        return _collect(loss, leaves, groups, counts, trace.visits, update, call, memory)
+        return _collect(loss, leaves, groups, counts, trace.visits, update, call, memory, ranks)
 
 
 def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
@@ -160,7 +166,7 @@ def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
             )
 
 
-def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Updates:
+def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=None) -> Updates:
     """Stream every visit's gradient out of the backward pass as soon as it is computed.
 
     ``full``: each gradient is copied into its row of ``raw`` (R_j x n_j) and freed, so
@@ -223,6 +229,11 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
 
     sgd = isinstance(update, str) and update.lower() == "sgd"
     tied, sq, seen, finite = stream(None, retain=not sgd and raw is None)
+    if ranks is not None and raw is not None:  # the mean over ranks, as DDP averages .grad
+        ranks.agree(counts, "the number of visits of each sublayer", call)
+        raw = [ranks.mean(r) for r in raw]
+        seen = [ranks.sum(s.long()) > 0 for s in seen]
+        loss = ranks.mean(loss.detach())
     if raw is not None:
         tied = [r.sum(0) for r in raw]
         sq = [torch.linalg.vector_norm(r, dim=1).double().square() for r in raw]

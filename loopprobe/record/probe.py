@@ -46,6 +46,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from loopprobe.distributed import Ranks, unwrap
 from loopprobe.record import discover
 from loopprobe.record.session import Group, device_of, restored, session
 from loopprobe.record.types import (
@@ -76,9 +77,12 @@ class Probe:
         model: nn.Module,
         sublayers: Sequence[str] | None = None,
         exclude: Sequence[str] | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"attach: expected an nn.Module, got {type(model).__name__}")
+        model, found = unwrap(model, "attach")
+        self.ranks = ranks if ranks is not None else found  # reduce over these (None: local)
         if isinstance(sublayers, str) or isinstance(exclude, str):
             raise TypeError("attach: sublayers= and exclude= take lists of names, not one string")
         self.model = model
@@ -409,6 +413,7 @@ def attach(
     sublayers: Sequence[str] | None = None,
     *,
     exclude: Sequence[str] | None = None,
+    ranks: Ranks | None = None,
 ) -> Probe:
     """Attach a :class:`Probe` to ``model`` without changing its code.
 
@@ -417,6 +422,9 @@ def attach(
     sublayer. Default: ``model.loopprobe_sublayers`` if present, else discovery from the
     first forward (see :mod:`loopprobe.record.discover`). ``exclude``: patterns removed from
     the list.
+    A DDP-wrapped model is probed through its ``.module`` and G, U and kappa come out global
+    over DDP's ranks; ``ranks=`` (a :class:`loopprobe.distributed.Ranks`) makes the results
+    of any model replicated on every rank global (see :mod:`loopprobe.distributed`).
 
     Example::
 
@@ -424,4 +432,4 @@ def attach(
             print(probe.visit_table(idx))
             rep = lp.visit_alignment(probe, idx, loss_fn)
     """
-    return Probe(model, sublayers, exclude)
+    return Probe(model, sublayers, exclude, ranks)
