@@ -221,10 +221,6 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
             torch.zeros(c, dtype=torch.float64, device=t.device)
             for c, t in zip(counts, tied, strict=True)
         ]
-        finite = [
-            torch.ones(c, dtype=torch.bool, device=t.device)
-            for c, t in zip(counts, tied, strict=True)
-        ]
         handles = []
 
         def hook_for(v: Visit, k: int) -> Any:
@@ -236,8 +232,8 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
                 if scale is not None:
                     g = g * scale[v.j][a:b]
                 tied[v.j][a:b] += g
-                sq[v.j][v.r] += g.double().square().sum()
-                finite[v.j][v.r] &= torch.isfinite(g).all()
+                # float64 norm: finite exactly when every entry is (no overflow)
+                sq[v.j][v.r] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
 
             return hook
 
@@ -249,9 +245,10 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
         finally:
             for h in handles:
                 h.remove()
-        return tied, sq, finite
+        return tied, sq
 
-    tied, sq, finite = stream(None, retain=not sgd)
+    tied, sq = stream(None, retain=not sgd)
+    finite = [torch.isfinite(q) for q in sq]
     _raise_first_bad(visits, lambda v: not bool(finite[v.j][v.r]), call)
     # Visible: a gradient that exists and is not exactly zero.
     visible = [(q > 0).cpu() for q in sq]
@@ -259,7 +256,7 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
     if not sgd:
         ones = [torch.ones(1, t.numel(), dtype=t.dtype, device=t.device) for t in tied]
         G1, method, history = _precondition(ones, groups, update, tied)
-        tied, sq, _ = stream([g[0] for g in G1], retain=False)
+        tied, sq = stream([g[0] for g in G1], retain=False)
     norms = [q.sqrt().to(t.dtype) for q, t in zip(sq, tied, strict=True)]
     return Updates(
         visits, names, visible, norms, tied, method, float(loss.detach()), history, memory="low"
