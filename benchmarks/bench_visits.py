@@ -55,16 +55,21 @@ VOCAB = 256
 CLOCK = {"fn": time.perf_counter, "name": "wall"}
 
 
-def build(d: int, heads: int, T: int, B: int, K: int, R: int, seed: int = 0):
-    """Model (float32, DeepLoop), probe, tokens and the cross-entropy loss."""
+def build(
+    d: int, heads: int, T: int, B: int, K: int, R: int, seed: int = 0, *, vocab: int = VOCAB,
+    device: str | torch.device = "cpu",
+):  # fmt: skip
+    """Model (float32, DeepLoop), probe, tokens and the cross-entropy loss, on ``device``
+    (built on CPU from seeded generators, then moved: the same weights on every device)."""
     cfg = GPTConfig(
-        vocab_size=VOCAB, seq_len=T, d_model=d, n_heads=heads, K=K, R=R, norm="deeploop"
+        vocab_size=vocab, seq_len=T, d_model=d, n_heads=heads, K=K, R=R, norm="deeploop"
     )
-    model = LoopedGPT(cfg, generator=torch.Generator().manual_seed(seed))
-    idx, targets = lp.tasks.random_tokens(B, T, VOCAB, torch.Generator().manual_seed(seed + 1))
+    model = LoopedGPT(cfg, generator=torch.Generator().manual_seed(seed)).to(device)
+    idx, targets = lp.tasks.random_tokens(B, T, vocab, torch.Generator().manual_seed(seed + 1))
+    idx, targets = idx.to(device), targets.to(device)
 
     def loss_fn(out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB), targets.reshape(-1))
+        return torch.nn.functional.cross_entropy(out.reshape(-1, vocab), targets.reshape(-1))
 
     return model, lp.attach(model), idx, loss_fn
 
