@@ -69,8 +69,9 @@ def session(
     (:func:`loopprobe.autodiff.transform_safe`): same values, every visit counted once.
     ``transforms=False`` is for a block that only runs plain autograd (no ``torch.func``
     transform): attention keeps the user's kernel (fused kernels have backward rules) and
-    no mode intercepts each torch call (measured 130 us per visit on LoopedGPT d_model 32,
-    ``benchmarks/bench_visits.py`` section 5); checkpointed segments still run inline.
+    no mode intercepts each torch call (80-215 us per visit in three runs on LoopedGPT
+    d_model 32, ``benchmarks/bench_visits.py`` section 5); checkpointed segments still run
+    inline.
     """
     trace = Trace([], [])
     counts = [0] * len(groups)
