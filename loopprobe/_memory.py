@@ -140,13 +140,17 @@ def saved_bytes(fn: Any, *args: Any, exclude: Any = ()) -> int:
 def auto_chunk_size(jac: Any, operators: int) -> int | None:
     """The chunk size of this module's rule for the operators of a
     :class:`loopprobe.differentiate.jacobian.VisitJacobian` (after ``jac.vjp_fn()``):
-    ``A`` from one extra forward with fresh leaves, ``m`` from ``jac.F0``."""
+    ``A`` from one extra forward with fresh leaves, ``m`` from ``jac.F0``; ``None`` (one
+    batch) if plain autograd cannot run that forward."""
     import torch
 
     leaves = [tuple(p.detach().requires_grad_() for p in ps) for ps in jac.primals]
     params = [p for ps in jac.primals for p in ps]
     params += list(jac.probe.model.parameters()) + list(jac.probe.model.buffers())
-    A = saved_bytes(jac.f, *leaves, exclude=params)
+    try:
+        A = saved_bytes(jac.f, *leaves, exclude=params)
+    except RuntimeError:  # a forward plain autograd refuses (torch.func took it): no chunking,
+        return None  # as before this rule existed
     item = torch.finfo(jac.dtype).bits // 8 if jac.dtype.is_floating_point else 4
     per = A + item * (sum(jac.n) + 2 * jac.n_max + 2 * jac.F0.numel())
     return chunk_size(operators, per, A, available_bytes(jac.device))

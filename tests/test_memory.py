@@ -113,3 +113,17 @@ def test_chunking_never_changes_the_u_norms(monkeypatch):
     for a, b in pairs:
         assert a.value == pytest.approx(b.value, rel=1e-12, abs=1e-12)
         assert a.iterations == b.iterations
+
+
+def test_a_forward_plain_autograd_refuses_leaves_the_operators_in_one_batch(monkeypatch):
+    probe = lp.attach(make(SharedBlockModel, R=3))
+    x = randn(2, 6)
+    jac = VisitJacobian(probe, x, probe.visits(x))
+    jac.vjp_fn()
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: 1)  # would give 1
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a leaf Variable that requires grad is being used in-place")
+
+    monkeypatch.setattr(_memory, "saved_bytes", refuse)
+    assert _memory.auto_chunk_size(jac, 4) is None
