@@ -232,7 +232,7 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory) -> Upda
                 if scale is not None:
                     g = g * scale[v.j][a:b]
                 tied[v.j][a:b] += g
-                # float64 norm: finite exactly when every entry is (no overflow)
+                # float64 norm: not finite iff an entry is not (float32 cannot overflow it)
                 sq[v.j][v.r] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
 
             return hook
