@@ -18,17 +18,26 @@ CPU time, so other load on the machine does not leak into the numbers. Not a tes
    (norms and tied sums only) and a plain forward+backward: the peak of the heap in use
    (glibc ``mallinfo2``, sampled every 0.2 ms; torch's CPU tensors come from malloc, and
    ``tracemalloc`` does not see them) above what was in use before the call.
+5. G at the limit (issue 18.3): all-visit G against one plain forward+backward at d_model
+   64, 128 and 256 (seq/batch 32/8, 64/8, 128/8, K=2, R=8; target <= 1.15x), and the
+   per-visit Python overhead at d_model 32: a forward with the probe's session hooks
+   installed (no swap) against the same forward without them, divided by the number of
+   visits, split into the transform-safe settings (``loopprobe.autodiff.transform_safe``,
+   whose attention-layout mode intercepts every torch call) and the hooks themselves.
 
     .venv/bin/python benchmarks/bench_visits.py [--threads 1] [--repeats 5] [--quick]
+        [--sections 1,2,3,4,5]
 
 The GPT-2-small GPU run of the issue (d_model 768, 12 heads, K=2, R=8, seq 1024,
-batch 8) needs a GPU; this script says so and does not attempt it on CPU.
+batch 8) is ``benchmarks/bench_gpu.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import inspect
 import statistics
 import sys
 import threading
@@ -46,16 +55,21 @@ VOCAB = 256
 CLOCK = {"fn": time.perf_counter, "name": "wall"}
 
 
-def build(d: int, heads: int, T: int, B: int, K: int, R: int, seed: int = 0):
-    """Model (float32, DeepLoop), probe, tokens and the cross-entropy loss."""
+def build(
+    d: int, heads: int, T: int, B: int, K: int, R: int, seed: int = 0, *, vocab: int = VOCAB,
+    device: str | torch.device = "cpu",
+):  # fmt: skip
+    """Model (float32, DeepLoop), probe, tokens and the cross-entropy loss, on ``device``
+    (built on CPU from seeded generators, then moved: the same weights on every device)."""
     cfg = GPTConfig(
-        vocab_size=VOCAB, seq_len=T, d_model=d, n_heads=heads, K=K, R=R, norm="deeploop"
+        vocab_size=vocab, seq_len=T, d_model=d, n_heads=heads, K=K, R=R, norm="deeploop"
     )
-    model = LoopedGPT(cfg, generator=torch.Generator().manual_seed(seed))
-    idx, targets = lp.tasks.random_tokens(B, T, VOCAB, torch.Generator().manual_seed(seed + 1))
+    model = LoopedGPT(cfg, generator=torch.Generator().manual_seed(seed)).to(device)
+    idx, targets = lp.tasks.random_tokens(B, T, vocab, torch.Generator().manual_seed(seed + 1))
+    idx, targets = idx.to(device), targets.to(device)
 
     def loss_fn(out: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(out.reshape(-1, VOCAB), targets.reshape(-1))
+        return torch.nn.functional.cross_entropy(out.reshape(-1, vocab), targets.reshape(-1))
 
     return model, lp.attach(model), idx, loss_fn
 
@@ -230,6 +244,36 @@ def bench_memory(size: tuple, in_use: Callable[[], int]) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- 5. G at the limit
+
+
+def bench_overhead(size: tuple, repeats: int) -> dict:
+    """Per-visit cost of the session (hooks, no swap) on a no-grad forward, in microseconds."""
+    from loopprobe.autodiff import transform_safe
+
+    model, probe, idx, _ = build(*size)
+
+    def forward(ctx: Callable[[], object]) -> Callable[[], None]:
+        def fn() -> None:
+            with torch.no_grad(), ctx():
+                model(idx)
+
+        return fn
+
+    fns = {
+        "bare": forward(contextlib.nullcontext),
+        "transform_safe": forward(transform_safe),
+        "session": forward(lambda: probe.session(None)),
+    }
+    if "transforms" in inspect.signature(probe.session).parameters:
+        fns["hooks_only"] = forward(lambda: probe.session(None, transforms=False))
+    t = {k: statistics.median(v) for k, v in interleaved(fns, repeats).items()}
+    n = len(probe.visits(idx))
+    out = {"visits": n, "forward_ms": 1e3 * t["bare"]}
+    out.update({f"{k}_us": 1e6 * (t[k] - t["bare"]) / n for k in fns if k != "bare"})
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -243,7 +287,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    ap.add_argument(
+        "--sections", default="1,2,3,4,5", help="comma-separated sections to run (default all)"
+    )
     args = ap.parse_args()
+    sections = {int(s) for s in args.sections.split(",")}
     sys.stdout.reconfigure(line_buffering=True)
     torch.set_num_threads(args.threads)
     if args.threads == 1:  # one thread: CPU time is the cost, whatever else runs
@@ -252,13 +300,33 @@ def main() -> None:
     small = (32, 4, 16, 4, 2, 8)  # the CLI default
     g_size = (64, 4, 32, 4, 2, 8) if args.quick else (128, 4, 64, 8, 2, 8)
     mem_size = (128, 4, 32, 2, 2, 16) if args.quick else (256, 4, 32, 2, 2, 16)
+    limit_sizes = [(64, 4, 32, 8, 2, 8), (128, 4, 64, 8, 2, 8)]
+    limit_sizes += [] if args.quick else [(256, 4, 128, 8, 2, 8)]
     Rs, iters = ([2, 4, 8] if args.quick else [2, 4, 8, 16]), 5
     t0, c0 = time.perf_counter(), time.process_time()
     print(
         f"loopprobe {lp.__version__}, torch {torch.__version__}, {args.threads} thread(s), "
         f"float32, {CLOCK['name']} time, medians over interleaved repeats"
     )
+    if 1 in sections:
+        section_G(small, g_size, reps)
+    if 2 in sections:
+        section_batched(small)
+    if 3 in sections:
+        section_R(small, Rs, max(1, reps - 2), iters)
+    if 4 in sections:
+        section_memory(mem_size)
+    if 5 in sections:
+        section_limit(limit_sizes, small, reps)
+    print(
+        "\nGPU run (GPT-2-small: d_model 768, 12 heads, K=2, R=8, seq 1024, batch 8): see "
+        "benchmarks/bench_gpu.py"
+    )
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"\ntotal {wall:.0f} s wall, {cpu:.0f} s CPU in this process")
 
+
+def section_G(small: tuple, g_size: tuple, reps: int) -> None:
     print(
         "\n1. per-visit G for all visits vs one plain forward+backward (target <= 1.3x), "
         f"{reps} repeats"
@@ -270,6 +338,8 @@ def main() -> None:
             f"G full {r['full_x']:.2f}x, G low-memory {r['low_x']:.2f}x"
         )
 
+
+def section_batched(small: tuple) -> None:
     print(
         "\n2. kappa with U norms (20 power iterations, tol=0), batched over visits vs a Python "
         "loop over visits, R=8 (target >= 3x), 1 repeat"
@@ -281,7 +351,8 @@ def main() -> None:
         f"(kappa agrees to {r['kappa_rel_diff']:.1e})"
     )
 
-    rep3 = max(1, reps - 2)
+
+def section_R(small: tuple, Rs: list[int], rep3: int, iters: int) -> None:
     print(
         f"\n3. cost vs R in {Rs}, {fmt_size(small[:5])} (target: exponent <= 1.15); "
         f"U and kappa with {iters} power iterations, {rep3} repeat(s)"
@@ -299,30 +370,41 @@ def main() -> None:
         f"kappa {r['exp_kappa']:.2f}"
     )
 
+
+def section_memory(mem_size: tuple) -> None:
     print(f"\n4. peak memory of G, {fmt_size(mem_size)} (heap in use above the model)")
     in_use = heap_in_use()
     if in_use is None:
         print("   skipped: needs glibc's mallinfo2 to see torch's CPU allocations")
-    else:
-        m = bench_memory(mem_size, in_use)
-        n, R = m["looped_params"], mem_size[5]
-        print(
-            f"   G itself: R x looped parameters = {R} x {n} floats = {R * n * 4 / 2**20:.1f} MiB"
-        )
-        for key, label in (("plain", "plain forward+backward"), ("full", "G full storage"),
-                           ("low", "G low-memory")):  # fmt: skip
-            print(f"   {label:24s} peak +{m[key]:7.1f} MiB")
-        print(
-            f"   low-memory / full: {m['low'] / m['full']:.2f}; "
-            f"low-memory / plain: {m['low'] / m['plain']:.2f}"
-        )
-
+        return
+    m = bench_memory(mem_size, in_use)
+    n, R = m["looped_params"], mem_size[5]
+    print(f"   G itself: R x looped parameters = {R} x {n} floats = {R * n * 4 / 2**20:.1f} MiB")
+    for key, label in (("plain", "plain forward+backward"), ("full", "G full storage"),
+                       ("low", "G low-memory")):  # fmt: skip
+        print(f"   {label:24s} peak +{m[key]:7.1f} MiB")
     print(
-        "\n5. GPU run (GPT-2-small: d_model 768, 12 heads, K=2, R=8, seq 1024, batch 8): "
-        "NOT RUN - no GPU in this task"
+        f"   low-memory / full: {m['low'] / m['full']:.2f}; "
+        f"low-memory / plain: {m['low'] / m['plain']:.2f}"
     )
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"\ntotal {wall:.0f} s wall, {cpu:.0f} s CPU in this process")
+
+
+def section_limit(sizes: list[tuple], small: tuple, reps: int) -> None:
+    print(f"\n5. G at the limit: all-visit G vs one plain forward+backward (target <= 1.15x), "
+          f"{reps} repeats")  # fmt: skip
+    for size in sizes:
+        r = bench_G(size, reps)
+        print(
+            f"   {fmt_size(size)}: plain {r['plain_ms']:.1f} ms; "
+            f"G full {r['full_x']:.2f}x, G low-memory {r['low_x']:.2f}x"
+        )
+    r = bench_overhead(small, max(reps, 7))
+    print(
+        f"   per-visit overhead, {fmt_size(small)} ({r['visits']} visits; no-grad forward "
+        f"{r['forward_ms']:.1f} ms): session {r['session_us']:.0f} us/visit, of which the "
+        f"transform-safe settings {r['transform_safe_us']:.0f} us/visit"
+        + (f"; hooks alone {r['hooks_only_us']:.0f} us/visit" if "hooks_only_us" in r else "")
+    )
 
 
 if __name__ == "__main__":

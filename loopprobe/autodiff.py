@@ -120,7 +120,7 @@ def _inline_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _inline_checkpoint() -> Iterator[None]:
+def inline_checkpoint() -> Iterator[None]:
     import torch.utils.checkpoint as ckpt
 
     names = {"CheckpointFunction": _InlineCheckpoint}
@@ -140,7 +140,7 @@ def transform_safe() -> Iterator[None]:
     """Attention on torch's math kernel (laid out as the user's kernel would); checkpointed
     segments inline. Both are process-wide settings, restored on exit."""
     user = _cur_sdpa_kernel_backends()
-    with sdpa_kernel(SDPBackend.MATH), _AttentionLayout(user), _inline_checkpoint():
+    with sdpa_kernel(SDPBackend.MATH), _AttentionLayout(user), inline_checkpoint():
         yield
 
 

@@ -160,6 +160,29 @@ def test_non_finite_loss_names_the_first_visit_whose_output_overflows():
         per_visit_updates(lp.attach(model), randn(2, 4), lambda out, _: out.sum())
 
 
+class NaNGradient(nn.Module):
+    """A finite output whose gradient is NaN: the unselected branch of a ``where`` is
+    sqrt of negative numbers, and 0 * NaN = NaN flows back to every visit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.lin(x)
+        return torch.where(x.abs() < 1e30, x, (-x.abs()).sqrt())
+
+
+@pytest.mark.parametrize("memory", ["full", "low"])
+def test_a_nan_gradient_behind_a_finite_loss_names_the_last_visit_it_reaches(memory):
+    probe = lp.attach(make(NaNGradient))
+    with pytest.raises(
+        FloatingPointError, match=r"non-finite gradient at visit r=2 of sublayer .lin."
+    ):
+        per_visit_updates(probe, randn(2, 4), lambda out, _: out.sum(), memory=memory)
+
+
 def test_bad_update_argument_raises_with_the_allowed_values():
     model = make(SharedBlockModel)
     with pytest.raises(ValueError, match="choose one of"):

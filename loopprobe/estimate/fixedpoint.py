@@ -335,7 +335,7 @@ def spectral_radius(
     check_same(call, h, Th)
     calls = [0]
     mv = numpy_op(jvp, h.shape, h, "JVP of the step", calls)
-    v0 = torch.randn(n, generator=gen, dtype=torch.float64).numpy()
+    v0 = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device).cpu().numpy()
     converged, reason, method = True, "", "arnoldi"
     try:
         if n < k + 2:
@@ -437,7 +437,7 @@ def jacobian_norm(
     Th, jvp = linearize(T, h)
     check_same(call, h, Th)
     _, vjp = torch.func.vjp(T, h)
-    v0 = torch.randn(1, h.numel(), generator=gen, dtype=torch.float64).to(h)
+    v0 = torch.randn(1, h.numel(), generator=gen, dtype=torch.float64, device=gen.device).to(h)
     return operator_norm(
         lambda v: jvp(v.view(h.shape)).detach().reshape(1, -1),
         lambda u: vjp(u.view(h.shape))[0].detach().reshape(1, -1),

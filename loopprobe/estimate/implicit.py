@@ -171,7 +171,7 @@ def input_dependence(
     def St(w: torch.Tensor) -> torch.Tensor:  # (dh*/dx)^T w
         return vjp_hx(solve(At, w.view(h_star.shape)))[1].detach()
 
-    v0 = torch.randn(1, x.numel(), generator=gen, dtype=torch.float64).to(x)
+    v0 = torch.randn(1, x.numel(), generator=gen, dtype=torch.float64, device=gen.device).to(x)
     reasons = []
     if not residual <= fixed_point_tol:
         reasons.append(

@@ -26,6 +26,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from loopprobe._memory import auto_chunk_size
 from loopprobe.autodiff import is_half, lowest_precision
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov
@@ -153,6 +154,7 @@ def sensitivity_norms(
     jac.vjp_fn()
     assert jac.F0 is not None
     m = jac.F0.numel()
+    chunk_size = auto_chunk_size(jac, len(ops)) if chunk_size is None else chunk_size
     ranks = probe.ranks  # the global batch's operator (loopprobe.distributed)
     ests = _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call, ranks)
     precision, certified = precision_note(jac.dtypes)

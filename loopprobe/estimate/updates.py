@@ -142,7 +142,11 @@ def per_visit_updates(
         return new
 
     device = _device(groups[0].params)
-    with torch.enable_grad(), seeded(seed, device), probe.session(enter, call=call) as trace:
+    with (
+        torch.enable_grad(),
+        seeded(seed, device),
+        probe.session(enter, call=call, transforms=False) as trace,
+    ):
         out = call_model(probe.model, inputs, forward)
         loss = loss_fn(out, inputs)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -169,32 +173,62 @@ def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
 def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=None) -> Updates:
     """Stream every visit's gradient out of the backward pass as soon as it is computed.
 
-    ``full``: each gradient is copied into its row of ``raw`` (R_j x n_j) and freed, so
-    the peak is one copy of all G, not two. ``low``: only running tied sums and squared
-    norms are kept; Adam's preconditioner needs the tied gradient first, so the
-    preconditioned norms take a second backward pass.
+    ``full``: each leaf's ``.grad`` is set beforehand to a zero view of its row of ``raw``
+    (R_j x n_j), so the backward accumulates every gradient in place there: one copy of
+    all G, and no Python call per visit. ``low``: a hook per leaf keeps only running tied
+    sums and squared norms; Adam's preconditioner needs the tied gradient first, so the
+    preconditioned norms take a second backward pass. A gradient that never arrives
+    leaves a zero row (not gradient-visible).
     """
     flat = [(v, k, t) for v, ts in leaves for k, t in enumerate(ts)]
     offsets = [[0] for _ in groups]
     for g, off in zip(groups, offsets, strict=True):
         for p in g.params:
             off.append(off[-1] + p.numel())
-    raw = None
+    inputs = [t for _, _, t in flat]
+    sgd = isinstance(update, str) and update.lower() == "sgd"
+    names = [g.sublayer.name for g in groups]
     if memory == "full":
         raw = [
             torch.zeros(c, g.sublayer.numel, dtype=_dtype(g.params), device=_device(g.params))
             for c, g in zip(counts, groups, strict=True)
         ]
+        handles = []
+        for v, k, t in flat:
+            row = raw[v.j][v.r, offsets[v.j][k] : offsets[v.j][k + 1]]
+            if t.dtype == row.dtype and t.device == row.device:
+                t.grad = row.view(t.shape)
+            else:  # a parameter in another dtype or on another device: copy its gradient
+                handles.append(t.register_post_accumulate_grad_hook(_copy_into(row)))
+        try:
+            if loss.requires_grad and inputs:
+                torch.autograd.backward(loss, inputs=inputs)
+        finally:
+            for h in handles:
+                h.remove()
+            for t in inputs:
+                t.grad = None
+        if ranks is not None:  # the mean over ranks, as DDP averages .grad
+            ranks.agree(counts, "the number of visits of each sublayer", call)
+            raw = [ranks.mean(r) for r in raw]
+            loss = ranks.mean(loss.detach())
+        sq = [torch.linalg.vector_norm(r, dim=1).double().square() for r in raw]
+        _check_finite(raw, sq, visits, call)
+        tied = [r.sum(0) for r in raw]
+        visible = [(q > 0).cpu() for q in sq]
+        G, method, history = _precondition(raw, groups, update, tied)
+        if sgd:  # G is raw: its norms and sums are the ones just computed
+            norms = [q.sqrt().to(r.dtype) for q, r in zip(sq, raw, strict=True)]
+        else:
+            norms, tied = [g.norm(dim=1) for g in G], [g.sum(0) for g in G]
+        return Updates(
+            visits, names, visible, norms, tied, method, float(loss.detach()), history, G, raw
+        )
 
     def stream(scale: list[torch.Tensor] | None, retain: bool) -> tuple:
         tied = [g.params[0].new_zeros(g.sublayer.numel) for g in groups]
         sq = [
             torch.zeros(c, dtype=torch.float64, device=t.device)
-            for c, t in zip(counts, tied, strict=True)
-        ]
-        seen = [torch.zeros(c, dtype=torch.bool) for c in counts]
-        finite = [
-            torch.ones(c, dtype=torch.bool, device=t.device)
             for c, t in zip(counts, tied, strict=True)
         ]
         handles = []
@@ -205,15 +239,11 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
             def hook(leaf: torch.Tensor) -> None:
                 g = leaf.grad.reshape(-1)
                 leaf.grad = None  # free it now
-                seen[v.j][v.r] = True
-                if raw is not None:  # full mode: norms and sums later, vectorised
-                    raw[v.j][v.r, a:b] = g
-                    return
                 if scale is not None:
                     g = g * scale[v.j][a:b]
                 tied[v.j][a:b] += g
-                sq[v.j][v.r] += g.double().square().sum()
-                finite[v.j][v.r] &= torch.isfinite(g).all()
+                # float64 norm: not finite iff an entry is not (float32 cannot overflow it)
+                sq[v.j][v.r] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
 
             return hook
 
@@ -221,42 +251,43 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
             handles.append(t.register_post_accumulate_grad_hook(hook_for(v, k)))
         try:
             if loss.requires_grad and flat:
-                torch.autograd.backward(loss, inputs=[t for _, _, t in flat], retain_graph=retain)
+                torch.autograd.backward(loss, inputs=inputs, retain_graph=retain)
         finally:
             for h in handles:
                 h.remove()
-        return tied, sq, seen, finite
+        return tied, sq
 
-    sgd = isinstance(update, str) and update.lower() == "sgd"
-    tied, sq, seen, finite = stream(None, retain=not sgd and raw is None)
-    if ranks is not None and raw is not None:  # the mean over ranks, as DDP averages .grad
-        ranks.agree(counts, "the number of visits of each sublayer", call)
-        raw = [ranks.mean(r) for r in raw]
-        seen = [ranks.sum(s.long()) > 0 for s in seen]
-        loss = ranks.mean(loss.detach())
-    if raw is not None:
-        tied = [r.sum(0) for r in raw]
-        sq = [torch.linalg.vector_norm(r, dim=1).double().square() for r in raw]
-        finite = [torch.isfinite(r).all(1) for r in raw]
+    tied, sq = stream(None, retain=not sgd)
+    finite = [torch.isfinite(q) for q in sq]
     _raise_first_bad(visits, lambda v: not bool(finite[v.j][v.r]), call)
     # Visible: a gradient that exists and is not exactly zero.
-    visible = [s & (q > 0).cpu() for s, q in zip(seen, sq, strict=True)]
-    names = [g.sublayer.name for g in groups]
-    if raw is not None:
-        G, method, history = _precondition(raw, groups, update, tied)
-        norms, tieds = [g.norm(dim=1) for g in G], [g.sum(0) for g in G]
-        return Updates(
-            visits, names, visible, norms, tieds, method, float(loss.detach()), history, G, raw
-        )
+    visible = [(q > 0).cpu() for q in sq]
     method, history = "sgd: G = dL/d delta (the step is -lr * G)", [0.0] * len(groups)
     if not sgd:
         ones = [torch.ones(1, t.numel(), dtype=t.dtype, device=t.device) for t in tied]
         G1, method, history = _precondition(ones, groups, update, tied)
-        tied, sq, _, _ = stream([g[0] for g in G1], retain=False)
+        tied, sq = stream([g[0] for g in G1], retain=False)
     norms = [q.sqrt().to(t.dtype) for q, t in zip(sq, tied, strict=True)]
     return Updates(
         visits, names, visible, norms, tied, method, float(loss.detach()), history, memory="low"
     )
+
+
+def _copy_into(row: torch.Tensor) -> Any:
+    def hook(leaf: torch.Tensor) -> None:
+        row.copy_(leaf.grad.reshape(-1))
+        leaf.grad = None
+
+    return hook
+
+
+def _check_finite(raw: list[torch.Tensor], sq: list[torch.Tensor], visits, call) -> None:
+    """Raise at the first non-finite gradient; rows are scanned only where a norm is not
+    finite (a finite norm implies finite entries; an infinite one may be float overflow)."""
+    if all(bool(torch.isfinite(q).all()) for q in sq):
+        return
+    finite = [torch.isfinite(r).all(1) for r in raw]
+    _raise_first_bad(visits, lambda v: not bool(finite[v.j][v.r]), call)
 
 
 # --------------------------------------------------------------------------- optimizers

@@ -229,17 +229,20 @@ class Probe:
         leave: Callable[[Visit, tuple, dict, Any], None] | None = None,
         *,
         call: str = "probe",
+        transforms: bool = True,
     ) -> contextlib.AbstractContextManager[Trace]:
         """Hooks on every sublayer for one ``with`` block: :func:`loopprobe.record.session.session`
         on this probe's sublayers (``enter`` may swap a visit's parameters, ``leave`` sees
-        its output)."""
+        its output; ``transforms=False``: plain autograd only, see ``session``)."""
         groups = self._ensure_groups(None, None, call)
         if self._owners is None:
             names = {id(m): n for n, m in self.model.named_modules()}
             self._owners = [
                 [(o, names.get(id(o), "?")) for o in g.owners(self.model)] for g in groups
             ]
-        return session(self.model, groups, self._owners, enter, leave, call=call)
+        return session(
+            self.model, groups, self._owners, enter, leave, call=call, transforms=transforms
+        )
 
     # -- public measurements -----------------------------------------------------
     def visits(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loopprobe.autodiff import inline_checkpoint
 from loopprobe.autodiff import in_backward, transform_safe
 from loopprobe.record.types import Sublayer, Trace, Visit
 
@@ -54,6 +55,7 @@ def session(
     leave: Callable[[Visit, tuple, dict, Any], None] | None = None,
     *,
     call: str = "probe",
+    transforms: bool = True,
 ) -> Iterator[Trace]:
     """Hooks on every sublayer module for the duration of the ``with`` block.
 
@@ -65,6 +67,11 @@ def session(
     Model state (parameters, buffers, train/eval mode) is restored on exit. Inside the
     block, fused attention and activation checkpointing are made transform-safe
     (:func:`loopprobe.autodiff.transform_safe`): same values, every visit counted once.
+    ``transforms=False`` is for a block that only runs plain autograd (no ``torch.func``
+    transform): attention keeps the user's kernel (fused kernels have backward rules) and
+    no mode intercepts each torch call (80-215 us per visit in three runs on LoopedGPT
+    d_model 32, ``benchmarks/bench_visits.py`` section 5); checkpointed segments still run
+    inline.
     """
     trace = Trace([], [])
     counts = [0] * len(groups)
@@ -121,7 +128,7 @@ def session(
 
         return hook
 
-    with restored(model), transform_safe():
+    with restored(model), transform_safe() if transforms else inline_checkpoint():
         try:
             for j, g in enumerate(groups):
                 for slot, m in enumerate(g.modules):

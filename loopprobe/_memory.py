@@ -1,0 +1,156 @@
+"""How many operators the batched JVPs/VJPs may carry at once: a chunk size from memory.
+
+The rule (:func:`chunk_size`). One operator in a batched product costs about
+
+    per_operator = A + itemsize * (sum_k n_k + 2 n_max + 2 m)
+
+bytes, where ``A`` is the activation memory of one forward (the bytes autograd saves
+for backward, :func:`saved_bytes`): a batched JVP carries one tangent per live
+activation and a batched VJP one cotangent per saved tensor, at most ``A`` each, plus
+each operator's gradient with respect to every offset visit (``sum_k n_k``), its
+vectors (``n_max``) and its output (``m``). The budget for one chunk is
+
+    budget = min(available / 2, max(4 * A, 1 GiB))
+
+with ``available`` the memory the device has free now (:func:`available_bytes`): half of
+it, so the rest of the process and other processes keep room, and no more than four
+forward activations (or 1 GiB, whichever is larger), so the peak of an estimate stays a
+few times that of a plain forward+backward. Then ``chunk = budget // per_operator``,
+at least 1; when every operator fits the answer is ``None`` (one batch, no chunking).
+Chunking never changes the numbers, only how many operators ``torch.vmap`` carries at
+once. When the free memory cannot be read the budget is ``max(4 * A, 1 GiB)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+GiB = 2**30
+#: Budget for one chunk: at most this fraction of the free memory ...
+FREE_FRACTION = 0.5
+#: ... and at most this many forward activations (or FLOOR_BYTES, whichever is larger).
+ACTIVATIONS = 4
+FLOOR_BYTES = GiB
+
+
+def available_bytes(device: torch.device | str = "cpu") -> int | None:
+    """Free memory on ``device`` now, in bytes, or ``None`` when it cannot be read.
+
+    CUDA: ``torch.cuda.mem_get_info`` (free on the device) plus what torch's caching
+    allocator holds reserved but unused. CPU on Linux: ``MemAvailable`` of
+    ``/proc/meminfo``, lowered to the room left under a cgroup memory limit (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``) when one is set; elsewhere
+    ``os.sysconf`` available pages, else ``None``.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached)
+    if device.type != "cpu":
+        return None
+    avail = _meminfo_available()
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    room = _cgroup_room()
+    return min(avail, room) if room is not None else avail
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+CGROUP_FILES = [  # (limit, usage) under /sys/fs/cgroup: v2, then v1
+    ("memory.max", "memory.current"),
+    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+]
+
+
+def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes left under this cgroup's memory limit, or ``None`` without a limit."""
+    for limit, usage in CGROUP_FILES:
+        cap = _read_int(os.path.join(root, limit))
+        used = _read_int(os.path.join(root, usage))
+        if cap is not None and used is not None and cap < 2**60:  # v1 "unlimited" is ~2^63
+            return max(cap - used, 0)
+    return None
+
+
+def chunk_size(
+    operators: int, per_operator: int, activations: int, available: int | None
+) -> int | None:
+    """Operators per batched product under the rule of this module (bytes in, count out).
+
+    ``None`` when all ``operators`` fit in one chunk; otherwise an integer >= 1 (never 0,
+    which the estimators read as "no batching at all").
+    """
+    budget = max(ACTIVATIONS * activations, FLOOR_BYTES)
+    if available is not None:
+        budget = min(budget, int(FREE_FRACTION * available))
+    fits = budget // max(per_operator, 1)
+    return None if fits >= operators else max(int(fits), 1)
+
+
+def saved_bytes(fn: Any, *args: Any, exclude: Any = ()) -> int:
+    """Bytes of the tensors autograd saves for backward while ``fn(*args)`` runs, each
+    storage counted once; storages of the tensors in ``exclude`` (the parameters) are
+    not counted."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        key = (t.device, s.data_ptr())
+        if s.data_ptr() not in skip:
+            seen[key] = s.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(seen.values())
+
+
+def auto_chunk_size(jac: Any, operators: int) -> int | None:
+    """The chunk size of this module's rule for the operators of a
+    :class:`loopprobe.differentiate.jacobian.VisitJacobian` (after ``jac.vjp_fn()``):
+    ``A`` from one extra forward with fresh leaves, ``m`` from ``jac.F0``; ``None`` (one
+    batch) if plain autograd cannot run that forward."""
+    import torch
+
+    leaves = [tuple(p.detach().requires_grad_() for p in ps) for ps in jac.primals]
+    params = [p for ps in jac.primals for p in ps]
+    params += list(jac.probe.model.parameters()) + list(jac.probe.model.buffers())
+    try:
+        A = saved_bytes(jac.f, *leaves, exclude=params)
+    except RuntimeError:  # a forward plain autograd refuses (torch.func took it): no chunking,
+        return None  # as before this rule existed
+    item = torch.finfo(jac.dtype).bits // 8 if jac.dtype.is_floating_point else 4
+    per = A + item * (sum(jac.n) + 2 * jac.n_max + 2 * jac.F0.numel())
+    return chunk_size(operators, per, A, available_bytes(jac.device))

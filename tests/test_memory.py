@@ -1,0 +1,129 @@
+"""The automatic chunk size of the batched operators (loopprobe/_memory.py): the rule, where
+the free memory comes from, that an explicit chunk_size wins and that chunks never change
+the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from thirdparty_models import SharedBlockModel, make, one_thread, randn  # noqa: F401
+
+import loopprobe as lp
+from loopprobe import _memory
+from loopprobe.differentiate.jacobian import VisitJacobian
+from loopprobe.estimate.sensitivity import sensitivity_norms
+
+MiB = 2**20
+
+
+def test_every_operator_in_one_batch_when_they_fit_else_the_largest_chunk_that_does():
+    # 1 GiB floor, half of 64 GiB free: 1 GiB / 100 MiB = 10 operators per chunk.
+    assert _memory.chunk_size(8, 100 * MiB, 10 * MiB, 64 * 2**30) is None
+    assert _memory.chunk_size(25, 100 * MiB, 10 * MiB, 64 * 2**30) == 10
+    # Four forwards' activations above the floor: 4 x 1 GiB / 100 MiB = 40.
+    assert _memory.chunk_size(50, 100 * MiB, 2**30, 64 * 2**30) == 40
+    # Half of the free memory caps it: 300 MiB / 100 MiB = 3.
+    assert _memory.chunk_size(50, 100 * MiB, 2**30, 600 * MiB) == 3
+    # Unknown free memory: the floor alone.
+    assert _memory.chunk_size(50, 100 * MiB, 10 * MiB, None) == 10
+
+
+def test_the_chunk_is_never_zero_because_zero_means_no_batching_at_all():
+    assert _memory.chunk_size(50, 10 * 2**30, 2**30, 2**30) == 1
+    assert _memory.chunk_size(3, 10 * 2**30, 2**30, 0) == 1
+
+
+def test_free_memory_is_read_from_meminfo_and_lowered_to_a_cgroup_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  8000000 kB\nMemAvailable:    2048 kB\n")
+    assert _memory._meminfo_available(str(meminfo)) == 2048 * 1024
+    assert _memory._meminfo_available(str(tmp_path / "missing")) is None
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("1000000\n")
+    (v2 / "memory.current").write_text("400000\n")
+    assert _memory._cgroup_room(str(v2)) == 600000
+    (v2 / "memory.max").write_text("max\n")
+    assert _memory._cgroup_room(str(v2)) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    (v1 / "memory.usage_in_bytes").write_text("5")
+    assert _memory._cgroup_room(str(tmp_path / "v1")) is None  # v1's "unlimited"
+    assert _memory.available_bytes("cpu") > 0
+    assert _memory.available_bytes("meta") is None
+
+
+def test_saved_bytes_counts_activations_once_and_leaves_out_the_parameters():
+    w = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(16, 64, dtype=torch.float64)
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ w)  # saves x (excluded below), w (excluded) and tanh's output
+        return (h * h).sum()  # saves h twice: one storage
+
+    assert _memory.saved_bytes(f, w, exclude=[w, x]) == 16 * 64 * 8
+
+
+def test_auto_chunk_size_shrinks_with_free_memory_and_stays_at_least_one(monkeypatch):
+    probe = lp.attach(make(SharedBlockModel, R=3))
+    x = randn(2, 6)
+    jac = VisitJacobian(probe, x, probe.visits(x))
+    jac.vjp_fn()
+    assert _memory.auto_chunk_size(jac, 4) is None  # plenty of memory on any machine
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: 1)
+    assert _memory.auto_chunk_size(jac, 4) == 1
+
+
+def record_chunks(monkeypatch) -> list:
+    seen = []
+    matvec = VisitJacobian.matvec
+
+    def spy(self, V, masks, chunk_size=None):
+        seen.append(chunk_size)
+        return matvec(self, V, masks, chunk_size)
+
+    monkeypatch.setattr(VisitJacobian, "matvec", spy)
+    return seen
+
+
+def test_an_explicit_chunk_size_wins_over_the_automatic_one(monkeypatch):
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: 1)  # auto would say 1
+    seen = record_chunks(monkeypatch)
+    probe = lp.attach(make(SharedBlockModel, R=3))
+    sensitivity_norms(probe, randn(2, 6), max_iter=3, tol=0.0, chunk_size=3)
+    assert set(seen) == {3}
+    seen.clear()
+    sensitivity_norms(probe, randn(2, 6), max_iter=3, tol=0.0)
+    assert set(seen) == {1}
+
+
+def test_chunking_never_changes_the_u_norms(monkeypatch):
+    probe = lp.attach(make(SharedBlockModel, R=3))
+    x = randn(2, 6)
+    seen = record_chunks(monkeypatch)
+    whole = sensitivity_norms(probe, x, max_iter=25)
+    assert set(seen) == {None}  # every operator in one batch
+    seen.clear()
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: 1)  # forces chunks of 1
+    chunked = sensitivity_norms(probe, x, max_iter=25)
+    assert set(seen) == {1}
+    pairs = [*zip(whole.visit_norms, chunked.visit_norms, strict=True)]
+    pairs += [(whole.tied_norms[j], chunked.tied_norms[j]) for j in whole.tied_norms]
+    for a, b in pairs:
+        assert a.value == pytest.approx(b.value, rel=1e-12, abs=1e-12)
+        assert a.iterations == b.iterations
+
+
+def test_a_forward_plain_autograd_refuses_leaves_the_operators_in_one_batch(monkeypatch):
+    probe = lp.attach(make(SharedBlockModel, R=3))
+    x = randn(2, 6)
+    jac = VisitJacobian(probe, x, probe.visits(x))
+    jac.vjp_fn()
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: 1)  # would give 1
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("a leaf Variable that requires grad is being used in-place")
+
+    monkeypatch.setattr(_memory, "saved_bytes", refuse)
+    assert _memory.auto_chunk_size(jac, 4) is None
