@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopprobe.autodiff import inline_checkpoint
-from loopprobe.autodiff import in_backward, transform_safe
+from loopprobe.autodiff import in_backward, inline_checkpoint, transform_safe
 from loopprobe.record.types import Sublayer, Trace, Visit
 
 
