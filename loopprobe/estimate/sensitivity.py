@@ -51,6 +51,15 @@ class Sensitivity:
     method: str = "power"
     jvp_mode: str = "forward mode"
     precision: str = ""
+    vectors: torch.Tensor | None = field(default=None, repr=False)
+    keys: list[tuple[str, int]] = field(default_factory=list, repr=False)
+
+    def start_vectors(self) -> dict[tuple[str, int], torch.Tensor]:
+        """Each operator's top right singular vector estimate, keyed ``("visit", i)`` or
+        ``("tied", j)``: what ``sensitivity_norms(start=...)`` restarts from."""
+        if self.vectors is None:
+            return {}
+        return dict(zip(self.keys, self.vectors, strict=True))
 
     @property
     def converged(self) -> bool:
@@ -113,6 +122,7 @@ def sensitivity_norms(
     generator: torch.Generator | None = None,
     seed: int | None = 0,
     chunk_size: int | None = None,
+    start: Any = None,
 ) -> Sensitivity:
     """``||U_{r,j}||`` for every included visit and ``||sum_r U_{r,j}||`` for every sublayer.
 
@@ -130,6 +140,13 @@ def sensitivity_norms(
     dropout masks throughout); ``chunk_size`` bounds how many operators are batched at
     once (memory); ``chunk_size=0`` evaluates them one by one in a Python loop (the
     unbatched baseline, and a fallback for models ``torch.vmap`` cannot batch).
+    ``start``: a warm start, the :class:`Sensitivity` (or an :class:`AlignmentReport`
+    holding one) of an earlier call on the same model, e.g. a few hundred training steps
+    before: every operator starts from its earlier top right singular vector (matched by
+    visit index and sublayer; operators it lacks start at random), which converges in a
+    few iterations while the model has drifted little. Only the start changes: the
+    tolerance, the stopping rule and the ``converged`` flags are those of a cold start.
+    A tensor ``(operators, n_max)`` in the order of ``Sensitivity.keys`` is accepted too.
     Reference: seed 002, Eq. 12 (``||U_{r,j}|| <= C_U beta/alpha``).
     """
     call = "sensitivity_norms"
@@ -153,7 +170,9 @@ def sensitivity_norms(
     jac.vjp_fn()
     assert jac.F0 is not None
     m = jac.F0.numel()
-    ests = _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call)
+    v0 = _start(jac, ops, keys, gen, start, call)
+    vectors = torch.empty_like(v0)
+    ests = _estimate(jac, masks, v0, vectors, method, max_iter, tol, chunk_size, call)
     precision, certified = precision_note(jac.dtypes)
     if not certified:
         ests = [replace(e, converged=False) for e in ests]
@@ -169,8 +188,10 @@ def sensitivity_norms(
     for k, v in enumerate(visits):
         if v.j not in tied and sum(w.j == v.j for w in visits) == 1:
             tied[v.j] = visit_norms[k]
+    F_norm = float(jac.F0.norm())
+    mode = jac.jvp.mode
     return Sensitivity(
-        visits, names, visit_norms, tied, UTw, float(jac.F0.norm()), method, jac.jvp.mode, precision
+        visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys
     )
 
 
@@ -228,38 +249,93 @@ def precision_note(dtypes: set[torch.dtype]) -> tuple[str, bool]:
     return text, True
 
 
-def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call) -> list[Estimate]:
+#: Relative size of the random part mixed into a warm start (see ``_start``).
+WARM_NOISE = 1e-6
+
+
+def _start(jac, ops, keys, gen, start, call) -> torch.Tensor:
+    """Start vectors ``(operators, n_max)``: random, or an earlier call's top vectors.
+
+    A warm start gets a random part of relative size ``WARM_NOISE``: the Krylov space then
+    never collapses onto the old vector alone, so a top singular value that has moved to
+    another direction can still be found."""
     n_of = [jac.n[ks[0]] for ks in ops]
     v0 = torch.randn(len(ops), jac.n_max, generator=gen, dtype=torch.float64)
     v0 = v0.to(jac.dtype).to(jac.device)
     for b, n in enumerate(n_of):
         v0[b, n:] = 0
+    if start is None:
+        return v0
+    old = _warm_vectors(start, keys, jac.n_max, call)
+    for b, key in enumerate(keys):
+        prev = old.get(key)
+        if prev is None or not bool(prev[: n_of[b]].any()):
+            continue
+        prev = prev.to(jac.dtype).to(jac.device)
+        noise = v0[b] / v0[b].norm()
+        v0[b] = prev / prev.norm() + WARM_NOISE * noise
+    return v0
+
+
+def _warm_vectors(start, keys, n_max, call) -> dict:
+    start = getattr(start, "sensitivity", start)  # an AlignmentReport holds one
+    if isinstance(start, Sensitivity):
+        if start.vectors is None:
+            raise ValueError(
+                f"{call}: start= is a Sensitivity without vectors; pass the "
+                "result of a sensitivity_norms call (or start=None)"
+            )
+        old = start.start_vectors()
+    elif isinstance(start, torch.Tensor):
+        if start.dim() != 2 or start.shape[0] != len(keys):
+            raise ValueError(
+                f"{call}: start= has shape {tuple(start.shape)}; a tensor start needs one "
+                f"row per operator, ({len(keys)}, {n_max}), in the order of Sensitivity.keys"
+            )
+        old = dict(zip(keys, start, strict=True))
+    else:
+        raise TypeError(
+            f"{call}: start= is a {type(start).__name__}; pass an earlier Sensitivity, an "
+            "AlignmentReport, a tensor (operators, n_max), or None for a random start"
+        )
+    width = {v.shape[-1] for v in old.values()}
+    if width and width != {n_max}:
+        raise ValueError(
+            f"{call}: start= vectors have length {sorted(width)} but this model's operators "
+            f"need {n_max}: the start comes from another model; pass start=None"
+        )
+    return old
+
+
+def _estimate(jac, masks, v0, out, method, max_iter, tol, chunk_size, call) -> list[Estimate]:
     low = lowest_precision(jac.dtypes)
     adj_tol = 1e-7 if low == torch.float64 else 1e-2 if not is_half(low) else 1e-1
     last: dict[str, torch.Tensor] = {}
+    scale = torch.zeros(len(v0), dtype=v0.dtype, device=v0.device)
 
-    def matvec(v: torch.Tensor) -> torch.Tensor:
-        last["v"] = v
-        return jac.matvec(v, masks, chunk_size)
+    def matvec(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        last["v"], last["idx"] = v, idx
+        return jac.matvec(v, masks[idx], chunk_size)
 
-    def rmatvec(u: torch.Tensor) -> torch.Tensor:
-        w = jac.rmatvec(u, masks, chunk_size)
+    def rmatvec(u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        w = jac.rmatvec(u, masks[idx], chunk_size)
         # Adjointness <U^T U v, v> = ||U v||^2, up to roundoff on the scale of ||U||^2.
-        uu = (u * u).sum(1)
-        wv = (w * last["v"]).sum(1) / last["v"].square().sum(1).clamp_min(1e-300)
-        uu = uu / last["v"].square().sum(1).clamp_min(1e-300)
-        scale = torch.maximum(last.get("scale", uu), uu)
-        last["scale"] = scale
-        gap = (wv - uu).abs() / scale.clamp_min(1e-300)
+        v = last["v"][torch.isin(last["idx"], idx)]  # the solver may have dropped rows
+        vv = v.square().sum(1).clamp_min(1e-300)
+        wv = (w * v).sum(1) / vv
+        uu = (u * u).sum(1) / vv
+        scale[idx] = torch.maximum(scale[idx], uu)
+        gap = (wv - uu).abs() / scale[idx].clamp_min(1e-300)
         bad = gap > adj_tol
         if bool(bad.any()):
-            b = int(bad.nonzero()[0])
+            b = int(idx[int(bad.nonzero()[0])])
             raise RuntimeError(
                 f"{call}: the JVP and VJP of operator {b} disagree: <U^T U v, v> = "
-                f"{float(wv[b]):.10g} but ||U v||^2 = {float(uu[b]):.10g}, a relative gap of "
-                f"{float(gap[b]):.2g} > {adj_tol:g} (the tolerance for {_name(low)}, the "
-                f"lowest precision computed in: {_names(jac.dtypes)}). Causes: forward-mode "
-                "tangents pass where the backward graph does not (a no_grad region or .data "
+                f"{float(wv[bad][0]):.10g} but ||U v||^2 = {float(uu[bad][0]):.10g}, a "
+                f"relative gap of {float(gap[bad][0]):.2g} > {adj_tol:g} (the tolerance for "
+                f"{_name(low)}, the lowest precision computed in: {_names(jac.dtypes)}). "
+                "Causes: forward-mode tangents pass where the backward graph does not (a "
+                "no_grad region or .data "
                 "use after a visit), randomness that torch's RNG does not control, or "
                 "roundoff of a dtype the model casts to internally; exclude that visit or make "
                 "the forward deterministic"
@@ -269,4 +345,4 @@ def _estimate(jac, ops, masks, gen, method, max_iter, tol, chunk_size, call) -> 
     if tol is None:
         tol = default_tol(low)
     solver = operator_norm if method == "power" else operator_norm_krylov
-    return solver(matvec, rmatvec, v0, max_iter=max_iter, tol=tol)
+    return solver(matvec, rmatvec, v0, max_iter=max_iter, tol=tol, out=out, subset=True)
