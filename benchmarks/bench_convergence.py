@@ -99,8 +99,8 @@ def work(args: argparse.Namespace) -> None:
         f"{step * 1e3:.1f} ms; one product (JVP+VJP, batched, per operator) {per_op / fb:.2f} fb"
     )
     ups = lp.per_visit_updates(lp.attach(model), idx, loss)
-    ref = kappa(model, idx, ups, tol=1e-13, **({"warm_visits": False} if new else {}))
-    print(f"reference kappa_R {ref.kappa:.12f} (Lanczos, tol 1e-13)")
+    ref = kappa(model, idx, ups, tol=1e-12, **({"warm_visits": False} if new else {}))
+    print(f"reference kappa_R {ref.kappa:.12f} (Lanczos, tol 1e-12)")
     print("row                               conv  products  max it  CPU-s     fb  dkappa/kappa")
 
     def row(label: str, m: torch.nn.Module, base=None, unit=fb, **kw) -> object:
@@ -126,6 +126,7 @@ def work(args: argparse.Namespace) -> None:
     default = row("visits from tied vector (default)", model)
     for tol in tols:
         row(f"visits from tied, tol {tol:g}", model, tol=tol)
+    suffix_cost(model, idx, fb)
     if args.quick:
         return
     ups32 = ups_float(model, idx, loss)
@@ -147,7 +148,7 @@ def kappa(model, idx, ups, **kw):
 
     probe = lp.attach(model)
     visible = [v for v in ups.visits if bool(ups.visible[v.j][v.r])]
-    sens = lp.sensitivity_norms(probe, idx, visits=visible, max_iter=100, **kw)
+    sens = lp.sensitivity_norms(probe, idx, visits=visible, method="lanczos", max_iter=100, **kw)
     return _report(ups, sens, {s.name: s.role for s in probe.sublayers()})
 
 
@@ -200,6 +201,36 @@ def product_cost(model, idx) -> tuple[float, int]:
         jac.rmatvec(jac.matvec(V, masks), masks)
         times.append(time.process_time() - t)
     return statistics.median(times) / len(ops), len(ops)
+
+
+def suffix_cost(model, idx, fb: float, groups: int = 4) -> None:
+    """Not implemented, measured: the visit operators split into ``groups`` by position,
+    each group's products from a VisitJacobian over its own visits only (tangents start,
+    and the backward stops, at the group's first visit) against one batch over all."""
+    from loopprobe.differentiate.jacobian import VisitJacobian
+
+    probe = lp.attach(model)
+    visits = [v for v in probe.visits(idx) if v.grad_visible]
+
+    def cost(vs: list) -> tuple[float, float]:
+        jac = VisitJacobian(probe, idx, vs)
+        masks = jac.masks([[k] for k in range(len(vs))])
+        V = torch.randn(len(vs), jac.n_max, dtype=jac.dtype, generator=torch.Generator())
+        jac.rmatvec(jac.matvec(V, masks), masks)
+        t = time.process_time()
+        u = jac.matvec(V, masks)
+        a = time.process_time() - t
+        jac.rmatvec(u, masks)
+        return a, time.process_time() - t - a
+
+    M = len(visits)
+    whole = cost(visits)
+    parts = [cost(visits[g * M // groups : (g + 1) * M // groups]) for g in range(groups)]
+    print(
+        f"visit products, one batch of {M}: JVP {whole[0] / fb:.0f} fb, VJP {whole[1] / fb:.0f} "
+        f"fb; in {groups} groups from their first visit: JVP {sum(p[0] for p in parts) / fb:.0f}"
+        f" fb, VJP {sum(p[1] for p in parts) / fb:.0f} fb"
+    )
 
 
 def lobpcg(model, idx) -> None:
@@ -264,6 +295,7 @@ def monitor(args, model, idx, tg, loss, before, step: float) -> None:
         opt.step()
     trained.zero_grad(set_to_none=True)
     ups = lp.per_visit_updates(lp.attach(trained), idx, loss)
+    old = before.sensitivity.start_vectors()
     for label, kw in (("cold", {}), ("warm-started", {"start": before.sensitivity})):
         t = time.process_time()
         rep = kappa(trained, idx, ups, **kw)
@@ -274,6 +306,11 @@ def monitor(args, model, idx, tg, loss, before, step: float) -> None:
             f"products, max {top} it, {cpu:.1f} CPU-s = {cpu / step:.0f} training steps, "
             f"kappa_R {rep.kappa:.9f}"
         )
+    cos = [float(v @ old[k]).__abs__() for k, v in rep.sensitivity.start_vectors().items()]
+    print(
+        f"|cos| of each operator's top vector before and after: min {min(cos):.3f}, "
+        f"median {statistics.median(cos):.3f}"
+    )
 
 
 if __name__ == "__main__":
