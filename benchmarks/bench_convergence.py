@@ -11,8 +11,8 @@ the 20 operators, the CPU time and kappa_R.
 forward+backward (fb) of the same model and batch, and of one training step (fb plus an
 AdamW step). One *product* is one operator's ``U^T U v`` (a JVP and a VJP); the cost of
 one, per operator, comes from one batched JVP+VJP over all 2KR + 2K operators. Rows:
-the cold start (every operator from a random vector), the default (visits started from
-their sublayer's tied vector), tolerance sweeps (which tolerance gives kappa to 1e-6),
+the cold start (every operator from a random vector), ``warm_visits`` (visits started
+from their sublayer's tied vector), tolerance sweeps (which tolerance gives kappa to 1e-6),
 float32 iterations finished in float64, scipy's LOBPCG on one operator, and the training
 monitor (kappa after 200 AdamW steps, cold and warm-started from the earlier vectors).
 Run with ``PYTHONPATH`` at an older checkout (without ``warm_visits``), it prints the
@@ -123,9 +123,9 @@ def work(args: argparse.Namespace) -> None:
     row("cold start", model, warm_visits=False)
     for tol in tols:
         row(f"cold start, tol {tol:g}", model, tol=tol, warm_visits=False)
-    default = row("visits from tied vector (default)", model)
+    default = row("visits from tied vector", model, warm_visits=True)
     for tol in tols:
-        row(f"visits from tied, tol {tol:g}", model, tol=tol)
+        row(f"visits from tied, tol {tol:g}", model, tol=tol, warm_visits=True)
     suffix_cost(model, idx, fb)
     if args.quick:
         return

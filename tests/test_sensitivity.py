@@ -235,7 +235,7 @@ def test_visits_started_from_their_tied_vector_match_dense_svd_and_a_cold_start(
     x = randn(3, 5)
     probe = lp.attach(model)
     blocks = dense_blocks(model.untied(), x, [f"steps.{i}." for i in range(6)])
-    warm = sensitivity_norms(probe, x, method="lanczos", max_iter=80, tol=1e-12)
+    warm = sensitivity_norms(probe, x, method="lanczos", max_iter=80, tol=1e-12, warm_visits=True)
     cold = sensitivity_norms(probe, x, method="lanczos", max_iter=80, tol=1e-12, warm_visits=False)
     for sens in (warm, cold):
         assert_matches(sens, blocks, {j: blocks[j::2] for j in range(2)})

@@ -124,7 +124,7 @@ def sensitivity_norms(
     seed: int | None = 0,
     chunk_size: int | None = None,
     start: Any = None,
-    warm_visits: bool = True,
+    warm_visits: bool | None = None,
 ) -> Sensitivity:
     """``||U_{r,j}||`` for every included visit and ``||sum_r U_{r,j}||`` for every sublayer.
 
@@ -151,13 +151,16 @@ def sensitivity_norms(
     like every Krylov start, it finds the top singular value only if it overlaps its
     vector (after large changes, e.g. a loss spike, start cold).
     A tensor ``(operators, n_max)`` in the order of ``Sensitivity.keys`` is accepted too.
-    ``warm_visits`` (default, without ``start``): the tied operators are estimated first
+    ``warm_visits`` (without ``start``; default ``None``: when an operator has at least
+    ``WARM_VISITS_N`` parameters, where products outweigh the per-iteration overhead of
+    the second phase): the tied operators are estimated first
     and every visit operator of sublayer j then starts from the top vector of
     ``sum_r U_{r,j}`` (the visits of a sublayer read the output through nearly the same
     direction) plus a random part of relative size ``VISIT_NOISE``. Measured on LoopedGPT
     (benchmarks/bench_convergence.py --work): 17-18% fewer operator products at the
     default tolerance, 41-49% fewer at ``tol=1e-4``; the second phase adds sequential
-    iterations, so at d_model 32 the CPU time is about even, at 64 it is 13% less.
+    iterations: CPU time +83% at d_model 16 (n 2048), +15% at 32 (n 8192), -13% at 64
+    (n 32768), hence the default.
     Reference: seed 002, Eq. 12 (``||U_{r,j}|| <= C_U beta/alpha``).
     """
     call = "sensitivity_norms"
@@ -183,6 +186,8 @@ def sensitivity_norms(
     m = jac.F0.numel()
     v0 = _start(jac, ops, keys, gen, start, call)
     vectors = torch.empty_like(v0)
+    if warm_visits is None:
+        warm_visits = jac.n_max >= WARM_VISITS_N
     first = _first_phase(visits, keys) if start is None and warm_visits else [*range(len(ops))]
     run = partial(
         _estimate, jac, method=method, max_iter=max_iter, tol=tol, chunk_size=chunk_size, call=call
@@ -276,6 +281,8 @@ def precision_note(dtypes: set[torch.dtype]) -> tuple[str, bool]:
 #: vector (``warm_visits``): a top direction the tied vector misses can still be found
 #: (measured: 0.1 costs at most one iteration more than none on LoopedGPT).
 VISIT_NOISE = 0.1
+#: ``warm_visits=None`` turns the two phases on from this operator size (parameters).
+WARM_VISITS_N = 16384
 
 
 def _first_phase(visits, keys) -> list[int]:
