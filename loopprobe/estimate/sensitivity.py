@@ -279,7 +279,8 @@ def precision_note(dtypes: set[torch.dtype]) -> tuple[str, bool]:
 
 #: Relative size of the random part mixed into a visit's start from its tied operator's
 #: vector (``warm_visits``): a top direction the tied vector misses can still be found
-#: (measured: 0.1 costs at most one iteration more than none on LoopedGPT).
+#: (measured under a Ritz-gap stopping rule: about one iteration more than none; not
+#: re-measured under the residual rule in use).
 VISIT_NOISE = 0.1
 #: ``warm_visits=None`` turns the two phases on from this operator size (parameters).
 WARM_VISITS_N = 16384
@@ -297,7 +298,7 @@ def _start(jac, ops, keys, gen, start, call) -> torch.Tensor:
 
     A warm start is the old vector as it is: any random part large enough to matter keeps
     the Ritz residual above the tolerance for as many iterations as it takes to remove it
-    (a part of 1e-5 cost 4-5 iterations from the exact answer), so a top singular value
+    (with a part of 1e-5, a start at the exact answer took more than 3), so a top singular value
     that moved to a direction orthogonal to the old vector is found only through the
     drift and roundoff components, as the docstring of ``sensitivity_norms`` says."""
     n_of = [jac.n[ks[0]] for ks in ops]
