@@ -201,3 +201,58 @@ def test_non_finite_output_names_the_first_visit_where_it_appears():
 
     with pytest.raises(FloatingPointError, match=r"visit r=2 of sublayer 'lin'"):
         sensitivity_norms(lp.attach(make(Overflow)), randn(2, 4), visits=None)
+
+
+def test_a_warm_start_from_the_exact_answer_converges_in_at_most_three_iterations():
+    model = make(ForLoopModel, K=2, R=3)
+    x = randn(3, 5)
+    probe = lp.attach(model)
+    cold = sensitivity_norms(probe, x, method="lanczos", max_iter=80)
+    warm = sensitivity_norms(probe, x, method="lanczos", max_iter=80, start=cold)
+    blocks = dense_blocks(model.untied(), x, [f"steps.{i}." for i in range(6)])
+    assert_matches(warm, blocks, {j: blocks[j::2] for j in range(2)})
+    for a, b in zip(cold.visit_norms, warm.visit_norms, strict=True):
+        assert b.converged and b.iterations <= 3 and b.value == pytest.approx(a.value, rel=1e-9)
+    assert all(e.iterations <= 3 for e in warm.tied_norms.values())
+
+
+def test_a_warm_start_after_the_model_moved_converges_to_the_new_dense_norms():
+    model = make(SharedBlockModel, R=3)
+    x = randn(2, 6)
+    probe = lp.attach(model)
+    before = sensitivity_norms(probe, x, method="power", max_iter=1000, tol=1e-14)
+    with torch.no_grad():  # a "training" step: every parameter moves by ~5%
+        for p in model.parameters():
+            p.mul_(1 + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    blocks = dense_blocks(model.untied(), x, [f"steps.{i}." for i in range(3)])
+    for method in ("lanczos", "power"):
+        warm = sensitivity_norms(probe, x, method=method, max_iter=1000, tol=1e-14, start=before)
+        assert_matches(warm, blocks, {0: blocks})
+
+
+def test_visits_started_from_their_tied_vector_match_dense_svd_and_a_cold_start():
+    model = make(ForLoopModel, K=2, R=3)
+    x = randn(3, 5)
+    probe = lp.attach(model)
+    blocks = dense_blocks(model.untied(), x, [f"steps.{i}." for i in range(6)])
+    warm = sensitivity_norms(probe, x, method="lanczos", max_iter=80, tol=1e-12, warm_visits=True)
+    cold = sensitivity_norms(probe, x, method="lanczos", max_iter=80, tol=1e-12, warm_visits=False)
+    for sens in (warm, cold):
+        assert_matches(sens, blocks, {j: blocks[j::2] for j in range(2)})
+    # The kept vectors are the top right singular vectors of the dense blocks.
+    for v, (key, vec) in zip(warm.visits, warm.start_vectors().items(), strict=False):
+        assert key == ("visit", v.i)
+        top = torch.linalg.svd(blocks[v.i]).Vh[0]
+        assert abs(float(vec[: top.numel()] @ top)) == pytest.approx(1, abs=1e-8)
+
+
+def test_a_start_from_another_model_or_of_the_wrong_kind_is_refused():
+    x = randn(2, 6)
+    probe = lp.attach(make(SharedBlockModel, R=2))
+    with pytest.raises(TypeError, match="start= is a list"):
+        sensitivity_norms(probe, x, max_iter=5, start=[1, 2])
+    with pytest.raises(ValueError, match=r"start= has shape \(2, 7\)"):
+        sensitivity_norms(probe, x, max_iter=5, start=torch.zeros(2, 7))
+    other = sensitivity_norms(lp.attach(make(AlbertModel, R=2)), randn(3, 6), max_iter=5)
+    with pytest.raises(ValueError, match="start= vectors have length"):
+        sensitivity_norms(probe, x, max_iter=5, start=other)

@@ -102,6 +102,7 @@ def visit_alignment(
     seed: int | None = 0,
     chunk_size: int | None = None,
     memory: str = "full",
+    start: Any = None,
 ) -> AlignmentReport:
     """kappa_j per sublayer and kappa_R = max_j, from G (one backward) and U (power iteration).
 
@@ -110,7 +111,9 @@ def visit_alignment(
     Every model evaluation runs with torch's RNG at ``seed`` (same dropout masks for G
     and every U product). See :func:`per_visit_updates` and :func:`sensitivity_norms`
     for the arguments; ``memory="low"`` keeps only G norms and tied sums (no G Gram
-    matrices in the report). Reference: seed 002, Eq. 12.
+    matrices in the report). ``start``: an earlier report (or its ``sensitivity``) to
+    warm-start the U estimates from (:func:`sensitivity_norms`; a training monitor).
+    Reference: seed 002, Eq. 12.
     """
     ups = per_visit_updates(
         probe, inputs, loss_fn, forward=forward, update=update, seed=seed, memory=memory
@@ -133,6 +136,7 @@ def visit_alignment(
         generator=generator,
         seed=seed,
         chunk_size=chunk_size,
+        start=start,
     )
     return _report(ups, sens, {s.name: s.role for s in probe.sublayers()})
 
