@@ -69,8 +69,19 @@ def main() -> None:
     for seed in tqdm(range(a.seeds), desc="seeds", file=os.sys.stderr):
         for arm, (residual, K, Ns) in ARMS.items():
             name = f"lrstudy:{residual}:K{K}:d{a.d}:T{T}:B{B}:S{a.steps}"
-            lt = lr_transfer(maker(residual, K), batch_fn, evals, list(Ns), lrs, [seed],
-                             steps=a.steps, cache_dir=a.cache, name=name, progress=True)  # fmt: skip
+            make_model = maker(residual, K)
+            lt = lr_transfer(
+                make_model,
+                batch_fn,
+                evals,
+                list(Ns),
+                lrs,
+                [seed],
+                steps=a.steps,
+                cache_dir=a.cache,
+                name=name,
+                progress=True,
+            )
             frames.append(lt.to_frame().assign(arm=arm, residual=residual, K=K))
         df = pd.concat(frames, ignore_index=True)
         shared = df[(df["arm"] == "1/sqrt(N)") & (df["N"] == 1)].assign(arm="1/N", residual="1/N")

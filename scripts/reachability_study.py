@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 
-import pandas as pd
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +43,7 @@ def train_to_plateau(cfg: dict) -> tuple[LoopedGPT, dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     window, best, stale, cur, means = cfg["window"], math.inf, 0, [], []
     reason = "cap"
-    for step in range(cfg["cap"]):
+    for step in range(cfg["cap"]):  # noqa: B007 (the count is read after the loop)
         x, y, _ = task_batch(cfg["task"], cfg["batch"], cfg["seq_len"], g)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         if not torch.isfinite(loss):
