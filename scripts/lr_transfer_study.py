@@ -17,7 +17,7 @@ One torch thread.
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 
 import pandas as pd
 import torch
@@ -65,31 +65,27 @@ def main() -> None:
 
         return make_model
 
+    # the K = 1 arms (the 1/sqrt(N) vs 1/N contrast) for every seed first, then loop-mup
+    order = [(s, arm) for group in (("1/sqrt(N)", "1/N"), ("loop-mup",)) for s in range(a.seeds)
+             for arm in group]  # fmt: skip
     frames = []
-    for seed in tqdm(range(a.seeds), desc="seeds", file=os.sys.stderr):
-        for arm, (residual, K, Ns) in ARMS.items():
-            name = f"lrstudy:{residual}:K{K}:d{a.d}:T{T}:B{B}:S{a.steps}"
-            make_model = maker(residual, K)
-            lt = lr_transfer(
-                make_model,
-                batch_fn,
-                evals,
-                list(Ns),
-                lrs,
-                [seed],
-                steps=a.steps,
-                cache_dir=a.cache,
-                name=name,
-                progress=True,
-            )
-            frames.append(lt.to_frame().assign(arm=arm, residual=residual, K=K))
-        df = pd.concat(frames, ignore_index=True)
-        shared = df[(df["arm"] == "1/sqrt(N)") & (df["N"] == 1)].assign(arm="1/N", residual="1/N")
-        out = pd.concat([df, shared], ignore_index=True)
-        cols = ["arm", "residual", "K", "N", "lr", "seed", "loss", "train_loss", "diverged",
-                "seconds", "steps_done"]  # fmt: skip
-        out = out[cols].sort_values(["arm", "N", "lr", "seed"])
-        out.to_csv(a.out, index=False, float_format="%.6g")
+    for seed, arm in tqdm(order, desc="(seed, arm)", file=sys.stderr):
+        residual, K, Ns = ARMS[arm]
+        name = f"lrstudy:{residual}:K{K}:d{a.d}:T{T}:B{B}:S{a.steps}"
+        lt = lr_transfer(maker(residual, K), batch_fn, evals, list(Ns), lrs, [seed],
+                         steps=a.steps, cache_dir=a.cache, name=name, progress=True)  # fmt: skip
+        frames.append(lt.to_frame().assign(arm=arm, residual=residual, K=K))
+        write(frames, a.out)
+
+
+def write(frames: list[pd.DataFrame], out: str) -> None:
+    """The cells so far, with the shared N = 1 cells of 1/sqrt(N) also under 1/N."""
+    df = pd.concat(frames, ignore_index=True)
+    shared = df[(df["arm"] == "1/sqrt(N)") & (df["N"] == 1)].assign(arm="1/N", residual="1/N")
+    df = pd.concat([df, shared], ignore_index=True)
+    cols = ["arm", "residual", "K", "N", "lr", "seed", "loss", "train_loss", "diverged",
+            "seconds", "steps_done"]  # fmt: skip
+    df[cols].sort_values(["arm", "N", "lr", "seed"]).to_csv(out, index=False, float_format="%.6g")
 
 
 if __name__ == "__main__":
