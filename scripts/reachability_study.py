@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--cap", type=int, default=800)
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 task, cap 20 steps")
+    ap.add_argument("--limit", type=int, help="only the first LIMIT cells (seed-major order)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     base = {"d_model": 32, "R": 4, "seq_len": 16, "batch": 32, "lr": 3e-3, "window": 50,
@@ -112,6 +113,7 @@ def main() -> None:
         for r in STUDY_RECALLS
         for o in (False, True)
     ]
+    items = items[: a.limit] if a.limit is not None else items
     df = sweep(items, run, a.cache, progress=True, name="reachability")
     df.to_csv(a.out, index=False, float_format="%.6g")
 
