@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from loopprobe.experiments.optimum import classify, drift_interval, vertex
+from loopprobe.experiments.optimum import classify, drift_interval, seed_matrix, vertex
 
 MARGIN = 0.75  # octaves: half the predicted 1/sqrt(N) drift of -1.5
 MIN_SEEDS = 4
@@ -58,6 +58,27 @@ def lr_drift(df: pd.DataFrame, n_boot: int = 2000) -> pd.DataFrame:
     ]
     t["below_min_seeds"] = t["seeds"] < MIN_SEEDS
     return t
+
+
+def contrast(df: pd.DataFrame, a: str = "1/sqrt(N)", b: str = "1/N", n_boot: int = 2000):
+    """Post hoc: drift(a) - drift(b) with one paired seed bootstrap (point, 2.5%, 97.5%)."""
+    sub = df[df["arm"].isin([a, b])]
+    cells = sub.groupby("seed").size()
+    seeds = sorted(cells[cells == cells.max()].index)
+    rng = np.random.default_rng(1)
+    draws = np.vstack(
+        [np.arange(len(seeds))[None], rng.integers(0, len(seeds), (n_boot, len(seeds)))]
+    )
+    d = {}
+    for arm in (a, b):
+        v = {}
+        for N in (1, 8):
+            x, m = seed_matrix(sub[(sub["arm"] == arm) & (sub["N"] == N)], seeds)
+            v[N] = np.array([vertex(x, np.nanmean(m[i], axis=0)) for i in draws])
+        d[arm] = v[8] - v[1]
+    c = d[a] - d[b]
+    boot = c[1:][np.isfinite(c[1:])]
+    return c[0], *np.quantile(boot, [0.025, 0.975])
 
 
 def claim_verdict(t: pd.DataFrame) -> str:
@@ -152,6 +173,8 @@ def main() -> None:
     t.to_csv("docs/data/lr_transfer_drift.csv", index=False, float_format="%.4g")
     print(md(t))
     print("claim:", claim_verdict(t))
+    c, lo, hi = contrast(lr)
+    print(f"post hoc contrast drift(1/sqrt(N)) - drift(1/N): {c:.3f} [{lo:.3f}, {hi:.3f}]")
     wide = lr.pivot_table(index=["arm", "N"], columns="lr", values="loss", aggfunc="mean")
     print(md(wide.reset_index()))
     lr_figure(lr, t, f"{a.figdir}/lr_transfer_study.png")
