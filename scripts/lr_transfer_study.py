@@ -7,7 +7,7 @@ cell trains a fresh model with lp.experiments.lrtransfer.lr_transfer (AdamW, war
 linear decay, clip 1) and is cached per cell in --cache (resumable). Seeds run in order,
 each complete before the next, so an interrupted study leaves whole seeds.
 
-    python scripts/lr_transfer_study.py --cache /work/notes/repro_cache/lr   # ~25 CPU-minutes
+    python scripts/lr_transfer_study.py --cache DIR   # ~20 CPU-minutes (one thread)
     python scripts/lr_transfer_study.py --quick --cache /tmp/lrq --out /tmp/lrq.csv   # smoke test
 
 Writes the tidy cells (arm, residual, K, N, lr, seed, loss, ...) to --out after every seed.

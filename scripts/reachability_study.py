@@ -9,7 +9,7 @@ held-out example: Picard fixed point from h0 = x, rho(dT/dh), ||dT/dh||, implici
 and the accuracy on fresh examples at R and at more rounds than trained (extrapolation).
 Runs are cached per cell in --cache (resumable), seed-major.
 
-    python scripts/reachability_study.py --cache /work/notes/repro_cache/reach   # ~20 CPU-min
+    python scripts/reachability_study.py --cache DIR   # ~15 CPU-minutes
     python scripts/reachability_study.py --quick --cache /tmp/rq --out /tmp/rq.csv
 
 One torch thread. Writes one row per run to --out.
