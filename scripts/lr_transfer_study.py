@@ -1,0 +1,92 @@
+"""LR transfer across loop count (issue 17): the drift of the optimal lr between N = 1 and 8.
+
+Arms (pre-norm LoopedGPT, byte-level lp.tasks.stdlib_text): K = 1 block with ``1/sqrt(N)``
+and ``1/N`` (at N = 1 both have eps = 1, so those cells are run once and shared), and K = 2
+unique blocks with ``loop-mup`` (eps = 1 / (R sqrt(2)), N = R loops). Each (arm, N, lr, seed)
+cell trains a fresh model with lp.experiments.lrtransfer.lr_transfer (AdamW, warmup 5%,
+linear decay, clip 1) and is cached per cell in --cache (resumable). Seeds run in order,
+each complete before the next, so an interrupted study leaves whole seeds.
+
+    python scripts/lr_transfer_study.py --cache DIR   # ~20 CPU-minutes (one thread)
+    python scripts/lr_transfer_study.py --quick --cache /tmp/lrq --out /tmp/lrq.csv   # smoke test
+
+Writes the tidy cells (arm, residual, K, N, lr, seed, loss, ...) to --out after every seed.
+One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from loopprobe import tasks
+from loopprobe.experiments.lrtransfer import lr_transfer
+from loopprobe.models import GPTConfig, LoopedGPT
+
+ARMS = {  # arm -> (residual rule, K unique blocks, loop counts run; N = 1 of 1/N is shared)
+    "1/sqrt(N)": ("1/sqrt(N)", 1, (1, 8)),
+    "1/N": ("1/N", 1, (8,)),
+    "loop-mup": ("loop-mup", 2, (1, 8)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", required=True)
+    ap.add_argument("--out", default="docs/data/lr_transfer_study.csv")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--d", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lrs", default=",".join(f"{1e-3 * 2**k:g}" for k in range(7)))
+    ap.add_argument("--quick", action="store_true", help="2 lrs, 3 steps, 1 seed")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    lrs = [float(x) for x in a.lrs.split(",")]
+    if a.quick:
+        lrs, a.steps, a.seeds = lrs[:2], 3, 1
+    B, T = a.batch, a.seq
+    val = torch.Generator().manual_seed(123)
+    evals = [tasks.stdlib_text(B, T, val, split="val") for _ in range(8)]
+
+    def batch_fn(step, gen):
+        return tasks.stdlib_text(B, T, gen)
+
+    def maker(residual, K):
+        def make_model(N, seed):
+            cfg = GPTConfig(vocab_size=256, seq_len=T, d_model=a.d, n_heads=4, K=K, R=N,
+                            norm="pre", residual=residual)  # fmt: skip
+            return LoopedGPT(cfg, generator=torch.Generator().manual_seed(seed))
+
+        return make_model
+
+    # the K = 1 arms (the 1/sqrt(N) vs 1/N contrast) for every seed first, then loop-mup
+    order = [(s, arm) for group in (("1/sqrt(N)", "1/N"), ("loop-mup",)) for s in range(a.seeds)
+             for arm in group]  # fmt: skip
+    frames = []
+    for seed, arm in tqdm(order, desc="(seed, arm)", file=sys.stderr):
+        residual, K, Ns = ARMS[arm]
+        name = f"lrstudy:{residual}:K{K}:d{a.d}:T{T}:B{B}:S{a.steps}"
+        lt = lr_transfer(maker(residual, K), batch_fn, evals, list(Ns), lrs, [seed],
+                         steps=a.steps, cache_dir=a.cache, name=name, progress=True)  # fmt: skip
+        frames.append(lt.to_frame().assign(arm=arm, residual=residual, K=K))
+        write(frames, a.out)
+
+
+def write(frames: list[pd.DataFrame], out: str) -> None:
+    """The cells so far, with the shared N = 1 cells of 1/sqrt(N) also under 1/N."""
+    df = pd.concat(frames, ignore_index=True)
+    shared = df[(df["arm"] == "1/sqrt(N)") & (df["N"] == 1)].assign(arm="1/N", residual="1/N")
+    df = pd.concat([df, shared], ignore_index=True)
+    cols = ["arm", "residual", "K", "N", "lr", "seed", "loss", "train_loss", "diverged",
+            "seconds", "steps_done"]  # fmt: skip
+    df[cols].sort_values(["arm", "N", "lr", "seed"]).to_csv(out, index=False, float_format="%.6g")
+
+
+if __name__ == "__main__":
+    main()
