@@ -4,7 +4,8 @@
 functions run them (and the growth sweep) on the reference :class:`~loopprobe.models.LoopedGPT`;
 :func:`recall_study` trains the recall / outer-norm variants for fixed-point reachability;
 :func:`record_training` trains a model while recording :func:`loopprobe.instability`;
-:func:`watch_training` trains the reference model per scheme with :class:`loopprobe.Monitor` on.
+:func:`watch_training` trains the reference model per scheme with :class:`loopprobe.Monitor` on;
+:mod:`.optimum` locates a learning-rate optimum and tests its drift over N (issue 17).
 Results are cached per configuration by :func:`loopprobe.sweep` where a ``cache_dir`` is given.
 """
 
