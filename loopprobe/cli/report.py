@@ -24,7 +24,15 @@ from loopprobe.cli._common import apply_threads, reference_work
 
 #: the report's sections, in page order (tests check it against loopprobe.report.SECTIONS;
 #: listed here so that --help does not import the report and torch)
-SECTION_KEYS = ("theory", "visits", "alignment", "increments", "coordcheck", "fixedpoint")
+SECTION_KEYS = (
+    "theory",
+    "visits",
+    "alignment",
+    "increments",
+    "coordcheck",
+    "fixedpoint",
+    "redundancy",
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

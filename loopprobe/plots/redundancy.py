@@ -1,8 +1,8 @@
 """Plots of :func:`loopprobe.redundancy` frames (matplotlib/seaborn imported inside each function).
 
 Each function takes the tidy frame (``res.to_frame()``, or a concatenation with an extra
-column such as ``model``), draws on ``ax`` (a new figure when ``None``) and returns the axes;
-``plt.savefig`` afterwards saves the figure.
+column such as ``model``), draws on ``ax`` (a new figure when ``None``, made as every
+loopprobe figure is: see :mod:`loopprobe.plots`) and returns the axes (``ax.figure``).
 
 Example::
 
@@ -23,9 +23,9 @@ import pandas as pd
 def _axes(ax: Any) -> Any:
     if ax is not None:
         return ax
-    import matplotlib.pyplot as plt
+    from loopprobe.plots._base import new_figure  # pyplot's current figure for pyplot users
 
-    return plt.subplots(figsize=(4.5, 3.5))[1]
+    return new_figure(size=(4.5, 3.5))[1][0, 0]
 
 
 def _rows(df: pd.DataFrame, observation: str, call: str, **equal: Any) -> pd.DataFrame:

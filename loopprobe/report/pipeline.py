@@ -198,6 +198,7 @@ def _draw(
 
     try:
         figure: Figure = getattr(plots, fig.plot)(df, **fig.kwargs)
+        figure = figure if hasattr(figure, "savefig") else figure.figure  # an Axes
         figure.savefig(outdir / png, dpi=110)
     except Exception as err:  # noqa: BLE001 - a bad figure is noted, the report goes on
         record.update(png=None, error=f"{type(err).__name__}: {err}")

@@ -6,6 +6,7 @@ from loopprobe.report.config import Section
 from loopprobe.report.sections_alignment import alignment_section, theory_section, visits_section
 from loopprobe.report.sections_fixedpoint import fixedpoint_section
 from loopprobe.report.sections_growth import coordcheck_section, increments_section
+from loopprobe.report.sections_redundancy import redundancy_section
 
 SECTIONS: list[Section] = [
     Section(
@@ -47,6 +48,13 @@ SECTIONS: list[Section] = [
         "Does iterating one round reach a fixed point, how fast (ρ), and does it depend "
         "on the input?",
         fixedpoint_section,
+    ),
+    Section(
+        "redundancy",
+        "Where looping is redundant (FlashLoop's observations)",
+        "Do state changes concentrate on few tokens, is the cross-loop attention difference "
+        "sparse, do KV residuals quantize better than K/V, and what would a lazy update cost?",
+        redundancy_section,
     ),
 ]
 """The report's sections, in page order. Append a :class:`Section` to extend the report."""
