@@ -77,7 +77,8 @@ def call_user(fn: Callable[..., Any], what: str, spec: str, *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as err:  # noqa: BLE001 - the user's code: report it in one line
-        call = f"{spec.partition(':')[2]}({', '.join(type(a).__name__ for a in args)})"
+        shown = (repr(a) if isinstance(a, int | float | str) else type(a).__name__ for a in args)
+        call = f"{spec.partition(':')[2]}({', '.join(shown)})"
         raise ValueError(f"{what} {spec}: {call} raised {type(err).__name__}: {err}") from err
 
 
@@ -92,3 +93,18 @@ def to_jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
+
+
+def load_model(spec: str, *args: Any, what: str = "--model") -> Any:
+    """The ``nn.Module`` that the factory named by ``spec`` (``pkg.mod:fn``) returns for
+    ``args``; an error in the factory, or anything but a module, is one clear error."""
+    from torch import nn
+
+    model = call_user(load_object(spec, what), what, spec, *args)
+    if not isinstance(model, nn.Module):
+        call = f"{spec.partition(':')[2]}({', '.join(map(repr, args))})"
+        raise TypeError(
+            f"{what} {spec}: {call} returned a {type(model).__name__}, not a torch.nn.Module; "
+            "the factory must build and return the model"
+        )
+    return model

@@ -178,7 +178,7 @@ def test_kappa_on_a_user_reference_model_draws_tokens_from_its_config(capsys):
         (["--model", "no_such_module_lp:make"], "cannot import 'no_such_module_lp'"),
         (["--model", "user_models:missing"], "has no attribute 'missing'"),
         (["--model", "user_models:NOT_CALLABLE"], "'NOT_CALLABLE' is not callable"),
-        (["--model", "user_models:not_a_module"], "returned a int, not an nn.Module"),
+        (["--model", "user_models:not_a_module"], "returned a int, not a torch.nn.Module"),
         (["--model", "user_models:shared_no_args", "--R", "3"], "shared_no_args(3) raised TypeErr"),
         (["--model", "user_models:shared"], "pass --inputs package.module:fn"),
         (["--model", "user_models:unlooped", "--inputs", "user_models:batch"], "nothing is looped"),

@@ -271,8 +271,8 @@ def test_a_model_the_measurement_does_not_apply_to_is_skipped_with_the_reason(us
         ("no_such_module_lp:make", "cannot import 'no_such_module_lp'"),
         ("usermodels_lp:missing", "has no attribute 'missing'"),
         ("usermodels_lp:NOT_CALLABLE", "'NOT_CALLABLE' is not callable"),
-        ("usermodels_lp:not_a_module", "returned int, not a torch.nn.Module"),
-        ("usermodels_lp:broken", "calling it raised RuntimeError: no weights here"),
+        ("usermodels_lp:not_a_module", "returned a int, not a torch.nn.Module"),
+        ("usermodels_lp:broken", "broken() raised RuntimeError: no weights here"),
         ("usermodels_lp", "must look like package.module:factory"),
     ],
 )

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from loopprobe import tasks
-from loopprobe._io import call_user, load_object
+from loopprobe._io import call_user, load_model, load_object
 from loopprobe.cli._common import DefaultOutput, model_loss
 from loopprobe.models import GPTConfig, LoopedGPT
 
@@ -80,18 +80,7 @@ def reference_model(args: argparse.Namespace, R: int) -> nn.Module:
 
 
 def user_model(args: argparse.Namespace, R: int | None) -> nn.Module:
-    factory = load_object(args.model, "--model")
-    call = f"{args.model.partition(':')[2]}({'' if R is None else R})"
-    try:
-        model = factory() if R is None else factory(R)
-    except Exception as err:  # noqa: BLE001 - the user's code: report it in one line
-        raise ValueError(
-            f"--model {args.model}: {call} raised {type(err).__name__}: {err}"
-        ) from err
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"--model {args.model}: {call} returned a {type(model).__name__}, not an nn.Module"
-        )
+    model = load_model(args.model, *([] if R is None else [R]))
     if args.dtype is not None:
         model = model.to(DTYPES[args.dtype])
     return model

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from loopprobe._io import call_user, load_object
+from loopprobe._io import call_user, load_model, load_object
 from loopprobe.cli._common import apply_threads, print_json
 
 if TYPE_CHECKING:
@@ -128,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         model = default_model(args.seed)
     else:
-        model = call_user(load_object(args.model, "--model"), "--model", args.model)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"--model {args.model!r} returned {type(model).__name__}, not a Module")
+        model = load_model(args.model)
     model = model.to(getattr(torch, args.dtype))
     if args.inputs is not None:
         idx = call_user(load_object(args.inputs, "--inputs"), "--inputs", args.inputs, model)

@@ -86,7 +86,7 @@ def table(res, every: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loopprobe._io import call_user, load_object
+    from loopprobe._io import call_user, load_model, load_object
     from loopprobe._threads import work
     from loopprobe.cli._common import apply_threads, print_json
     from loopprobe.estimate.redundancy import redundancy
@@ -94,9 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         model = default_model(args.seed)
     else:
-        model = call_user(load_object(args.model, "--model"), "--model", args.model)
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"--model {args.model!r} returned {type(model).__name__}, not a Module")
+        model = load_model(args.model)
     if args.inputs is not None:
         inputs = call_user(load_object(args.inputs, "--inputs"), "--inputs", args.inputs, model)
     else:

@@ -14,7 +14,7 @@ from torch import nn
 
 import loopprobe
 from loopprobe import tasks
-from loopprobe._io import load_object
+from loopprobe._io import load_model, load_object
 from loopprobe.report.config import ReportConfig, Skip, UserModel
 
 
@@ -135,18 +135,7 @@ def load_user_model(
     ``output_spec`` a function ``output(out) -> Tensor`` picking F from what the model
     returns (default: the tensor, ``.logits``, ``["logits"]`` or the first tensor).
     """
-    factory = load_object(model_spec, "--model")
-    try:
-        model = factory()
-    except Exception as err:  # noqa: BLE001 - the user's code: report it in one line
-        raise ValueError(
-            f"--model {model_spec!r}: calling it raised {type(err).__name__}: {err}"
-        ) from err
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"--model {model_spec!r} returned {type(model).__name__}, not a "
-            "torch.nn.Module; the factory must build and return the model"
-        )
+    model = load_model(model_spec)
     if inputs_spec is not None:
         fn = load_object(inputs_spec, "--inputs")
         try:
