@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import loopprobe.testing as lpt
-from loopprobe._io import call_user, load_object
+from loopprobe._io import call_user, load_model, load_object
 from proofs_check._registry import PROFILES, Check, Outcome, Result
 
 REF = "seed 002"
@@ -60,14 +60,12 @@ def user_checks(
     C_max: float | None = None,
 ) -> list[Check]:
     """The checks for the family ``model_spec`` (``package.module:factory``)."""
-    factory = load_object(model_spec, "--model")
+    load_object(model_spec, "--model")  # a bad spec fails here, before any check runs
     loss_fn = load_object(loss, "--loss") if loss else lpt.mean_square_loss
     R_mid = sorted(Rs)[len(Rs) // 2]
 
     def build(R: int) -> tuple[torch.nn.Module, Any]:
-        model = call_user(factory, "--model", model_spec, R)
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"--model {model_spec}: factory({R}) returned a {type(model).__name__}")
+        model = load_model(model_spec, R)
         return model, _inputs(inputs, model)
 
     def at_each_R(check: Callable, fig: Callable[[Any], str], **kw: Any) -> Callable:
