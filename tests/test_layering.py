@@ -212,6 +212,10 @@ def test_the_cli_help_lists_agree_with_the_modules_they_describe():
 
     assert loopprobe.cli.report.SECTION_KEYS == tuple(s.key for s in report.SECTIONS)
     assert loopprobe.cli.phi_fit.COLUMNS == scaling_law.COLUMNS
+    import loopprobe.cli.watch
+    from loopprobe.experiments import watch
+
+    assert loopprobe.cli.watch.SCHEMES == tuple(watch.SCHEMES)
 
 
 def test_building_the_cli_parser_loads_no_torch():

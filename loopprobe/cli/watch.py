@@ -18,6 +18,8 @@ import pathlib
 
 from loopprobe.cli._common import emit, text_table
 
+#: loopprobe.experiments.watch.SCHEMES (a test checks they agree; listed here so that --help
+#: does not import torch)
 SCHEMES = ("deepnorm", "deeploop", "pre:1/sqrt(N)", "pre:1/N")
 
 
