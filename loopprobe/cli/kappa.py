@@ -131,7 +131,8 @@ def add_target_args(parser: argparse.ArgumentParser, *, default_norm: str) -> No
         "--tol",
         type=float,
         default=None,
-        help="relative-change tolerance (default: 1e-10 in float64, 1e-5 otherwise)",
+        help="stopping tolerance: Lanczos's relative residual (default 1e-6 in float64) or "
+        "power iteration's relative change (1e-10); 1e-5 in float32",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
