@@ -17,6 +17,9 @@ For each size and each quantity a fresh subprocess builds the model and measures
   of a first call in a process, about 2 s: torch.func's initialisation);
 - ``kappa``: ``lp.visit_alignment`` (G + U) at the same cap; one run (``U`` alone is not
   in the default: it costs what kappa costs less G and one visibility pass);
+- ``kappa_conv`` (not in the default): ``lp.visit_alignment`` with its defaults (converged
+  to the default tolerance, warm visits where they are on); one run; prints whether it
+  converged and its operator products (iterations summed over operators);
 - ``U_whole`` (not in the default): ``U`` with every operator in one batch (an explicit
   ``chunk_size`` larger than the batch), to see what the automatic chunking costs and saves.
 
@@ -48,7 +51,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-QUANTITIES = ["step", "G", "G_low", "U1", "U", "kappa", "U_whole"]
+QUANTITIES = ["step", "G", "G_low", "U1", "U", "kappa", "U_whole", "kappa_conv"]
 DEFAULT = "step,G,G_low,U1,kappa"  # U alone (--what ...,U) is kappa minus G, less one pass
 
 
@@ -116,6 +119,14 @@ def worker(d: int, R: int, T: int, B: int, K: int, what: str, max_iter: int) -> 
             )
 
         repeats, warm = 1, False
+    elif what == "kappa_conv":  # converged: the default tolerance and max_iter
+
+        def fn():
+            return lp.visit_alignment(
+                probe, idx, loss_fn, generator=torch.Generator().manual_seed(0)
+            )
+
+        repeats, warm = 1, False
     elif what == "kappa":
 
         def fn():
@@ -141,8 +152,17 @@ def worker(d: int, R: int, T: int, B: int, K: int, what: str, max_iter: int) -> 
         walls.append(time.perf_counter() - w)
         cpus.append(time.process_time() - c)
     peak = maxrss_bytes()
-    if what == "kappa":
-        extra = {"kappa": out.kappa, "method": out.sensitivity.method}
+    if what in ("kappa", "kappa_conv"):
+        extra = {
+            "kappa": out.kappa,
+            "method": out.sensitivity.method,
+            "converged": bool(out.converged),
+            "products": sum(
+                e.iterations
+                for e in (*out.sensitivity.visit_norms, *out.sensitivity.tied_norms.values())
+            ),
+        }
+        # fmt: skip
     elif what in ("U", "U1", "U_whole"):
         extra = {"method": out.method, "operators": len(out.visit_norms) + len(out.tied_norms)}
     return {
@@ -209,9 +229,11 @@ def main() -> None:
                 cpu_total += r["cpu"] * (3 if w in ("step", "G", "G_low") else 1)
                 x = r["cpu"] / rows["step"]["cpu"]
                 note = ""
-                if w in ("U", "U1", "U_whole", "kappa"):
+                if w in ("U", "U1", "U_whole", "kappa", "kappa_conv"):
                     note = f"{r['method']}, chunk {r['chunk'] or '-'}"
-                    note += f", kappa {r['kappa']:.3g}" if w == "kappa" else ""
+                    note += f", kappa {r['kappa']:.7g}" if "kappa" in r else ""
+                    if w == "kappa_conv":
+                        note += f", converged {r['converged']}, {r['products']} products"
                     note += f", {r['operators']} operators" if "operators" in r else ""
                 print(
                     f"{d:4d} {R:3d} {w:>6} {r['wall']:8.2f} {r['cpu']:8.2f} {x:8.2f} "

@@ -7,7 +7,10 @@ cell trains a fresh model with lp.experiments.lrtransfer.lr_transfer (AdamW, war
 linear decay, clip 1) and is cached per cell in --cache (resumable). Seeds run in order,
 each complete before the next, so an interrupted study leaves whole seeds.
 
-    python scripts/lr_transfer_study.py --cache DIR   # ~20 CPU-minutes (one thread)
+    python scripts/lr_transfer_study.py --cache DIR   # run 2: ~80 CPU-minutes (one thread)
+    python scripts/lr_transfer_study.py --cache DIR --seed0 100 --seeds 6 --out a.csv &
+    python scripts/lr_transfer_study.py --cache DIR --seed0 106 --seeds 6 --out b.csv  # 2 cores
+    python scripts/lr_transfer_study.py --run 1 --cache DIR   # run 1 (exploratory, 120 steps)
     python scripts/lr_transfer_study.py --quick --cache /tmp/lrq --out /tmp/lrq.csv   # smoke test
 
 Writes the tidy cells (arm, residual, K, N, lr, seed, loss, ...) to --out after every seed.
@@ -32,22 +35,33 @@ ARMS = {  # arm -> (residual rule, K unique blocks, loop counts run; N = 1 of 1/
     "1/N": ("1/N", 1, (8,)),
     "loop-mup": ("loop-mup", 2, (1, 8)),
 }
+RUNS = {  # the two designs of the README section (run 2: stated before it ran, fresh seeds)
+    1: {"seed0": 0, "seeds": 8, "steps": 120, "out": "docs/data/lr_transfer_study.csv",
+        "lrs": [1e-3 * 2**k for k in range(7)]},  # 1-octave grid 1e-3 .. 6.4e-2
+    2: {"seed0": 100, "seeds": 12, "steps": 200, "out": "docs/data/lr_transfer_study2.csv",
+        "lrs": [2.0 ** (k / 2) for k in range(-19, -7)]},  # half-octave grid 2^-9.5 .. 2^-4
+}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", required=True)
-    ap.add_argument("--out", default="docs/data/lr_transfer_study.csv")
-    ap.add_argument("--seeds", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--run", type=int, choices=(1, 2), default=2, help="the design (README)")
+    ap.add_argument("--seed0", type=int, default=None, help="first seed (run 1: 0, run 2: 100)")
+    ap.add_argument("--seeds", type=int, default=None, help="how many (run 1: 8, run 2: 12)")
+    ap.add_argument("--steps", type=int, default=None, help="run 1: 120, run 2: 200")
     ap.add_argument("--d", type=int, default=32)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lrs", default=",".join(f"{1e-3 * 2**k:g}" for k in range(7)))
+    ap.add_argument("--lrs", default=None, help="comma list (default: the run's grid)")
+    ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="2 lrs, 3 steps, 1 seed")
     a = ap.parse_args()
+    for key, value in RUNS[a.run].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
     torch.set_num_threads(1)
-    lrs = [float(x) for x in a.lrs.split(",")]
+    lrs = [float(x) for x in a.lrs.split(",")] if isinstance(a.lrs, str) else list(a.lrs)
     if a.quick:
         lrs, a.steps, a.seeds = lrs[:2], 3, 1
     B, T = a.batch, a.seq
@@ -65,9 +79,12 @@ def main() -> None:
 
         return make_model
 
-    # the K = 1 arms (the 1/sqrt(N) vs 1/N contrast) for every seed first, then loop-mup
-    order = [(s, arm) for group in (("1/sqrt(N)", "1/N"), ("loop-mup",)) for s in range(a.seeds)
-             for arm in group]  # fmt: skip
+    seeds = range(a.seed0, a.seed0 + a.seeds)
+    if a.run == 1:  # run 1 ran the two K = 1 arms for every seed first, then loop-mup
+        order = [(s, arm) for group in (("1/sqrt(N)", "1/N"), ("loop-mup",)) for s in seeds
+                 for arm in group]  # fmt: skip
+    else:  # run 2: seed-major, every arm of a seed before the next seed
+        order = [(s, arm) for s in seeds for arm in ARMS]
     frames = []
     for seed, arm in tqdm(order, desc="(seed, arm)", file=sys.stderr):
         residual, K, Ns = ARMS[arm]

@@ -18,11 +18,15 @@ import math
 import numpy as np
 import pandas as pd
 
-from loopprobe.experiments.optimum import classify, drift_interval, seed_matrix, vertex
-
-MARGIN = 0.75  # octaves: half the predicted 1/sqrt(N) drift of -1.5
-MIN_SEEDS = 4
-
+from loopprobe.experiments.optimum import vertex
+from loopprobe.experiments.reproductions import (
+    LR_RUNS,
+    lr_claim,
+    lr_contrast,
+    lr_drift,
+    reach_claims,
+    reach_summary,
+)
 
 def md(df: pd.DataFrame, digits: int = 3) -> str:
     """A markdown table (no tabulate dependency)."""
@@ -43,55 +47,7 @@ def md(df: pd.DataFrame, digits: int = 3) -> str:
     return "\n".join(lines)
 
 
-def lr_drift(df: pd.DataFrame, n_boot: int = 2000) -> pd.DataFrame:
-    rows = []
-    for _, g in df.groupby("arm", sort=False):
-        # seeds complete for this arm: every (N, lr) cell present
-        cells = g.groupby("seed").size()
-        full = cells[cells == cells.max()].index
-        t = drift_interval(g[g["seed"].isin(full)], "arm", 1, 8, n_boot=n_boot)
-        rows.append(t)
-    t = pd.concat(rows, ignore_index=True)
-    t["verdict"] = [
-        classify(lo, hi, MARGIN) if v >= 0.9 else "undecided (optimum off the grid)"
-        for lo, hi, v in zip(t["ci_low"], t["ci_high"], t["boot_valid"], strict=True)
-    ]
-    t["below_min_seeds"] = t["seeds"] < MIN_SEEDS
-    return t
-
-
-def contrast(df: pd.DataFrame, a: str = "1/sqrt(N)", b: str = "1/N", n_boot: int = 2000):
-    """Post hoc: drift(a) - drift(b) with one paired seed bootstrap (point, 2.5%, 97.5%)."""
-    sub = df[df["arm"].isin([a, b])]
-    cells = sub.groupby("seed").size()
-    seeds = sorted(cells[cells == cells.max()].index)
-    rng = np.random.default_rng(1)
-    draws = np.vstack(
-        [np.arange(len(seeds))[None], rng.integers(0, len(seeds), (n_boot, len(seeds)))]
-    )
-    d = {}
-    for arm in (a, b):
-        v = {}
-        for N in (1, 8):
-            x, m = seed_matrix(sub[(sub["arm"] == arm) & (sub["N"] == N)], seeds)
-            v[N] = np.array([vertex(x, np.nanmean(m[i], axis=0)) for i in draws])
-        d[arm] = v[8] - v[1]
-    c = d[a] - d[b]
-    boot = c[1:][np.isfinite(c[1:])]
-    return c[0], *np.quantile(boot, [0.025, 0.975])
-
-
-def claim_verdict(t: pd.DataFrame) -> str:
-    v = dict(zip(t["arm"], t["verdict"], strict=True))
-    stay = [v.get(r) for r in ("1/N", "loop-mup") if r in v]
-    if v.get("1/sqrt(N)") == "stays" or "drifts" in stay:
-        return "FAILS"
-    if v.get("1/sqrt(N)") == "drifts" and stay and all(s == "stays" for s in stay):
-        return "HOLDS"
-    return "UNDECIDED"
-
-
-def lr_figure(df: pd.DataFrame, t: pd.DataFrame, path: str) -> None:
+def lr_figure(df: pd.DataFrame, t: pd.DataFrame, path: str, half_width: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +62,7 @@ def lr_figure(df: pd.DataFrame, t: pd.DataFrame, path: str) -> None:
             m, s, n = c.mean(), c.std(), c.count()
             x = np.log2(m.index.to_numpy(dtype=float))
             ax.errorbar(x, m, yerr=s / np.sqrt(n), color=color, marker="o", ms=3, label=f"N={N}")
-            v = vertex(x, m.to_numpy())
+            v = vertex(x, m.to_numpy(), half_width)
             if math.isfinite(v):
                 ax.axvline(v, color=color, ls="--", lw=1)
         r = t[t["arm"] == arm].iloc[0]
@@ -116,27 +72,6 @@ def lr_figure(df: pd.DataFrame, t: pd.DataFrame, path: str) -> None:
     np.atleast_1d(axes)[0].set_ylabel("held-out loss (seed mean ± se)")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-
-
-def reach_summary(df: pd.DataFrame) -> pd.DataFrame:
-    df = df.copy()
-    df["dep"] = df["input_dependence"].where(df["converged"])
-    df["rho_reached"] = df["spectral_radius"].where(df["converged"])
-    agg = df.groupby(["task", "recall", "outer_norm"], sort=False).agg(
-        runs=("seed", "size"),
-        reached=("converged", "sum"),
-        rho_median=("spectral_radius", "median"),
-        rho_reached_median=("rho_reached", "median"),
-        dep_median=("dep", "median"),
-        dep_max=("dep", "max"),
-        acc_R4=("acc_R4", "mean"),
-        acc_R8=("acc_R8", "mean"),
-        acc_R16=("acc_R16", "mean"),
-        steps_median=("steps", "median"),
-        train_loss=("train_loss", "mean"),
-        plateaued=("stop", lambda s: int((s != "cap").sum())),
-    )
-    return agg.reset_index()
 
 
 def reach_figure(df: pd.DataFrame, path: str) -> None:
@@ -162,29 +97,37 @@ def reach_figure(df: pd.DataFrame, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lr", default="docs/data/lr_transfer_study.csv")
-    ap.add_argument("--reach", default="docs/data/reachability_study.csv")
+    ap.add_argument("--data", default="docs/data")
     ap.add_argument("--figdir", default="docs/figures")
     a = ap.parse_args()
-    pd.set_option("display.width", 200)
-    lr = pd.read_csv(a.lr)
-    lr.loc[lr["diverged"], "loss"] = np.nan
-    t = lr_drift(lr)
-    t.to_csv("docs/data/lr_transfer_drift.csv", index=False, float_format="%.4g")
-    print(md(t))
-    print("claim:", claim_verdict(t))
-    c, lo, hi = contrast(lr)
-    print(f"post hoc contrast drift(1/sqrt(N)) - drift(1/N): {c:.3f} [{lo:.3f}, {hi:.3f}]")
-    wide = lr.pivot_table(index=["arm", "N"], columns="lr", values="loss", aggfunc="mean")
-    print(md(wide.reset_index()))
-    lr_figure(lr, t, f"{a.figdir}/lr_transfer_study.png")
+    for run, spec in LR_RUNS.items():
+        try:
+            lr = pd.read_csv(f"{a.data}/{spec['cells']}")
+        except FileNotFoundError:
+            continue
+        hw = spec["half_width"]
+        t = lr_drift(lr, half_width=hw)
+        suffix = "" if run == 1 else str(run)
+        t.to_csv(f"{a.data}/lr_transfer_drift{suffix}.csv", index=False, float_format="%.4g")
+        print(f"## LR transfer, run {run} ({t['seeds'].min()}-{t['seeds'].max()} seeds)")
+        print(md(t))
+        print("claim:", lr_claim(t))
+        c = lr_contrast(lr, half_width=hw)
+        when = "pre-stated" if spec["contrast_prestated"] else "post hoc"
+        print(f"contrast drift(1/sqrt(N)) - drift(1/N) ({when}): {c['contrast']:.3f} "
+              f"[{c['ci_low']:.3f}, {c['ci_high']:.3f}] -> {c['verdict']}")  # fmt: skip
+        wide = lr.pivot_table(index=["arm", "N"], columns="lr", values="loss", aggfunc="mean")
+        print(md(wide.reset_index()))
+        lr_figure(lr, t, f"{a.figdir}/lr_transfer_study{suffix}.png", hw)
     try:
-        reach = pd.read_csv(a.reach)
+        reach = pd.read_csv(f"{a.data}/reachability_study.csv")
     except FileNotFoundError:
         return
     s = reach_summary(reach)
-    s.to_csv("docs/data/reachability_summary.csv", index=False, float_format="%.4g")
+    s.to_csv(f"{a.data}/reachability_summary.csv", index=False, float_format="%.4g")
+    print("## Reachability")
     print(md(s))
+    print(md(reach_claims(reach)))
     reach_figure(reach, f"{a.figdir}/reachability_study.png")
 
 

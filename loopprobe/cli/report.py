@@ -32,6 +32,7 @@ SECTION_KEYS = (
     "coordcheck",
     "fixedpoint",
     "redundancy",
+    "reproductions",
 )
 
 

@@ -11,6 +11,7 @@ Example::
 
     table = drift_interval(df, group="arm", lo=1, hi=8)       # df: arm, N, lr, seed, loss
     table["verdict"] = [classify(a, b, 0.75) for a, b in zip(table.ci_low, table.ci_high)]
+    c = contrast_interval(df, "arm", "1/sqrt(N)", "1/N")   # drift(a) - drift(b), paired
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["classify", "drift_interval", "seed_matrix", "vertex"]
+__all__ = ["classify", "contrast_interval", "drift_interval", "seed_matrix", "vertex"]
 
 
 def vertex(log2_lr: Sequence[float], loss: Sequence[float], half_width: int = 2) -> float:
@@ -68,6 +70,40 @@ def _curve_vertices(x: np.ndarray, m: np.ndarray, draws: np.ndarray, half_width:
     return np.array([vertex(x, row, half_width) for row in means])
 
 
+def _draws(frame: pd.DataFrame, group: str, Ns: Sequence[int], n_boot: int, seed: int):
+    """Seeds present in every (group, N) curve, and the bootstrap draws over them (row 0:
+    the sample itself)."""
+    need = {group, "N", "lr", "seed", "loss"}
+    if missing := need - set(frame.columns):
+        raise ValueError(f"frame lacks columns {sorted(missing)}")
+    sub = frame[frame["N"].isin(Ns)]
+    curves = sub.groupby([group, "N"])
+    if len(curves) == 0:
+        raise ValueError(f"no rows with N in {list(Ns)}")
+    seeds = sorted(set.intersection(*(set(g["seed"]) for _, g in curves)))
+    rng = np.random.default_rng(seed)
+    S = len(seeds)
+    draws = np.vstack([np.arange(S)[None, :], rng.integers(0, S, size=(n_boot, S))])
+    return sub, seeds, draws
+
+
+def _vertices(sub, group, level_value, seeds, draws, Ns, half_width) -> dict[int, np.ndarray]:
+    """Per N: the vertex of one group level's seed-mean curve, per draw."""
+    g = sub[sub[group] == level_value]
+    out = {}
+    for N in Ns:
+        x, m = seed_matrix(g[g["N"] == N], seeds)
+        out[N] = _curve_vertices(x, m, draws, half_width)
+    return out
+
+
+def _interval(d: np.ndarray, n_boot: int, level: float) -> tuple[float, float, float]:
+    boot = d[1:][np.isfinite(d[1:])]
+    q = (1 - level) / 2
+    lo, hi = np.quantile(boot, [q, 1 - q]) if len(boot) else (math.nan, math.nan)
+    return float(lo), float(hi), len(boot) / n_boot
+
+
 def drift_interval(
     frame: pd.DataFrame,
     group: str = "arm",
@@ -86,33 +122,50 @@ def drift_interval(
     ``drift``, ``ci_low``, ``ci_high``, ``boot_valid`` (fraction of resamples where both
     vertices exist; the interval is over those).
     """
-    need = {group, "N", "lr", "seed", "loss"}
-    if missing := need - set(frame.columns):
-        raise ValueError(f"drift_interval: frame lacks columns {sorted(missing)}")
     if not 0 < level < 1:
         raise ValueError(f"drift_interval: level={level!r} must lie in (0, 1)")
-    sub = frame[frame["N"].isin([lo, hi])]
-    curves = sub.groupby([group, "N"])
-    if len(curves) == 0:
-        raise ValueError(f"drift_interval: no rows with N in {[lo, hi]}")
-    seeds = sorted(set.intersection(*(set(g["seed"]) for _, g in curves)))
-    rng = np.random.default_rng(seed)
-    S = len(seeds)
-    draws = np.vstack([np.arange(S)[None, :], rng.integers(0, S, size=(n_boot, S))])
+    try:
+        sub, seeds, draws = _draws(frame, group, (lo, hi), n_boot, seed)
+    except ValueError as e:
+        raise ValueError(f"drift_interval: {e}") from None
     rows = []
-    for level_value, g in sub.groupby(group, sort=False):
-        v = {}
-        for N in (lo, hi):
-            x, m = seed_matrix(g[g["N"] == N], seeds)
-            v[N] = _curve_vertices(x, m, draws, half_width)
+    for level_value in sub[group].unique():
+        v = _vertices(sub, group, level_value, seeds, draws, (lo, hi), half_width)
         d = v[hi] - v[lo]
-        boot = d[1:][np.isfinite(d[1:])]
-        q = (1 - level) / 2
-        ci = np.quantile(boot, [q, 1 - q]) if len(boot) else (math.nan, math.nan)
-        rows.append({group: level_value, "seeds": S, "opt_lo": v[lo][0], "opt_hi": v[hi][0],
-                     "drift": d[0], "ci_low": float(ci[0]), "ci_high": float(ci[1]),
-                     "boot_valid": len(boot) / n_boot})  # fmt: skip
+        ci_low, ci_high, valid = _interval(d, n_boot, level)
+        rows.append({group: level_value, "seeds": len(seeds), "opt_lo": v[lo][0],
+                     "opt_hi": v[hi][0], "drift": d[0], "ci_low": ci_low, "ci_high": ci_high,
+                     "boot_valid": valid})  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def contrast_interval(
+    frame: pd.DataFrame,
+    group: str,
+    a: Any,
+    b: Any,
+    lo: int = 1,
+    hi: int = 8,
+    *,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    half_width: int = 2,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``drift(a) - drift(b)`` in octaves with one paired seed bootstrap (the same resample
+    for both levels of ``group``): ``{"contrast", "ci_low", "ci_high", "boot_valid", "seeds"}``."""
+    if not 0 < level < 1:
+        raise ValueError(f"contrast_interval: level={level!r} must lie in (0, 1)")
+    try:
+        sub, seeds, draws = _draws(frame[frame[group].isin([a, b])], group, (lo, hi), n_boot,
+                                   seed)  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"contrast_interval: {e}") from None
+    v = [_vertices(sub, group, x, seeds, draws, (lo, hi), half_width) for x in (a, b)]
+    c = (v[0][hi] - v[0][lo]) - (v[1][hi] - v[1][lo])
+    ci_low, ci_high, valid = _interval(c, n_boot, level)
+    return {"contrast": float(c[0]), "ci_low": ci_low, "ci_high": ci_high,
+            "boot_valid": valid, "seeds": len(seeds)}  # fmt: skip
 
 
 def classify(ci_low: float, ci_high: float, margin: float) -> str:

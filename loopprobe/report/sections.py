@@ -7,6 +7,7 @@ from loopprobe.report.sections_alignment import alignment_section, theory_sectio
 from loopprobe.report.sections_fixedpoint import fixedpoint_section
 from loopprobe.report.sections_growth import coordcheck_section, increments_section
 from loopprobe.report.sections_redundancy import redundancy_section
+from loopprobe.report.sections_repro import reproductions_section
 
 SECTIONS: list[Section] = [
     Section(
@@ -55,6 +56,14 @@ SECTIONS: list[Section] = [
         "Do state changes concentrate on few tokens, is the cross-loop attention difference "
         "sparse, do KV residuals quantize better than K/V, and what would a lazy update cost?",
         redundancy_section,
+    ),
+    Section(
+        "reproductions",
+        "Reproductions of the seeds' training claims (cached studies)",
+        "Does the optimal learning rate stay put across loop counts under 1/N and Loop-μP "
+        "but drift under 1/√N, and do recall with outer norm give reachable, input-dependent "
+        "fixed points?",
+        reproductions_section,
     ),
 ]
 """The report's sections, in page order. Append a :class:`Section` to extend the report."""

@@ -1,0 +1,198 @@
+"""Issue 17's two studies, judged from their cached cells: LR transfer and fixed-point reachability.
+
+The training runs live in ``scripts/lr_transfer_study.py`` and ``scripts/reachability_study.py``
+(hours, outside CI); their tidy cells are committed under ``docs/data``. This module holds
+only the analysis and the criteria stated before each run (README, "Reproducing the seeds'
+training claims"), so ``scripts/repro_analysis.py`` and the report's ``reproductions`` section
+give the same verdicts from the same CSVs.
+
+LR transfer (seed 004, Loop-muP): per residual rule ("arm") the drift of the optimal lr from
+N = 1 to N = 8 loops, in octaves, with a paired seed bootstrap (:mod:`.optimum`); a rule
+*stays* when its interval lies inside ``(-margin, margin)``, *drifts* when entirely outside.
+The claim holds if 1/sqrt(N) drifts while 1/N and loop-mup stay. The contrast
+``drift(1/sqrt N) - drift(1/N)`` (predicted -1.5) is judged against half the prediction.
+
+Reachability (seed 003): per task x recall x outer norm, how many runs reached a fixed point
+(Picard residual below tolerance), rho and ||dh*/dx|| there, accuracy at more loops than
+trained. Claim A: with outer norm, recall (add, internal) reaches one in >= 85 % of runs
+(fails at <= 50 %); claim B: ||dh*/dx|| <= 1e-8 at every reached no-recall fixed point and
+> 1e-3 at every reached recall one.
+
+Example::
+
+    cells = pd.read_csv("docs/data/lr_transfer_study2.csv")
+    table = lr_drift(cells, half_width=4)          # arm, drift, ci_low, ci_high, verdict
+    lr_claim(table), lr_contrast(cells, half_width=4)["verdict"]
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from loopprobe.experiments.optimum import classify, contrast_interval, drift_interval
+
+__all__ = [
+    "LR_RUNS",
+    "PREDICTED_DRIFT",
+    "lr_claim",
+    "lr_contrast",
+    "lr_drift",
+    "reach_claims",
+    "reach_summary",
+]
+
+#: Seed 004's bound ||dh_N|| <~ eta eps N makes eta* ~ 1/(eps N): from N = 1 to 8 the optimum
+#: moves by log2(1/sqrt 8) = -1.5 octaves under 1/sqrt(N), by 0 under 1/N and loop-mup.
+PREDICTED_DRIFT = {"1/sqrt(N)": -1.5, "1/N": 0.0, "loop-mup": 0.0}
+MARGIN = 0.75  # octaves: half the predicted 1/sqrt(N) drift
+MIN_SEEDS = 4
+REACH_HOLDS, REACH_FAILS = 0.85, 0.5  # claim A: reached fraction with outer norm
+NO_DEPENDENCE, DEPENDENCE = 1e-8, 1e-3  # claim B: ||dh*/dx|| in float64
+#: The LR-transfer runs: cells CSV (under docs/data), the vertex window (grid points each
+#: side of the argmin: +-2 octaves on run 1's 1-octave and run 2's half-octave grid) and
+#: whether the contrast criterion was stated before the run (run 1: post hoc).
+LR_RUNS = {
+    1: {"cells": "lr_transfer_study.csv", "half_width": 2, "contrast_prestated": False},
+    2: {"cells": "lr_transfer_study2.csv", "half_width": 4, "contrast_prestated": True},
+}
+
+
+def _loss_cells(cells: pd.DataFrame) -> pd.DataFrame:
+    """Diverged cells count as missing (NaN), not as a high loss."""
+    cells = cells.copy()
+    if "diverged" in cells:
+        cells.loc[cells["diverged"].astype(bool), "loss"] = float("nan")
+    return cells
+
+
+def lr_drift(
+    cells: pd.DataFrame, *, half_width: int = 2, margin: float = MARGIN, n_boot: int = 2000
+) -> pd.DataFrame:
+    """Per arm: the optimum at N = 1 and 8 (log2 lr), the drift and its 95% interval, the
+    verdict (``stays``/``drifts``/``undecided``, or ``undecided (optimum off the grid)`` when
+    fewer than 90 % of the resamples have both vertices) and ``predicted``. Each arm uses
+    its seeds with every cell present."""
+    cells = _loss_cells(cells)
+    rows = []
+    for _, g in cells.groupby("arm", sort=False):
+        per_seed = g.groupby("seed").size()
+        full = per_seed[per_seed == per_seed.max()].index
+        rows.append(drift_interval(g[g["seed"].isin(full)], "arm", 1, 8, n_boot=n_boot,
+                                   half_width=half_width))  # fmt: skip
+    t = pd.concat(rows, ignore_index=True)
+    t["verdict"] = [
+        classify(lo, hi, margin) if v >= 0.9 else "undecided (optimum off the grid)"
+        for lo, hi, v in zip(t["ci_low"], t["ci_high"], t["boot_valid"], strict=True)
+    ]
+    t["predicted"] = t["arm"].map(PREDICTED_DRIFT)
+    t["below_min_seeds"] = t["seeds"] < MIN_SEEDS
+    return t
+
+
+def lr_claim(table: pd.DataFrame) -> str:
+    """``HOLDS`` if 1/sqrt(N) drifts and 1/N and loop-mup stay; ``FAILS`` if 1/sqrt(N)
+    stays or 1/N or loop-mup drifts; else ``UNDECIDED``."""
+    v = dict(zip(table["arm"], table["verdict"], strict=True))
+    stay = [v[r] for r in ("1/N", "loop-mup") if r in v]
+    if v.get("1/sqrt(N)") == "stays" or "drifts" in stay:
+        return "FAILS"
+    if v.get("1/sqrt(N)") == "drifts" and stay and all(s == "stays" for s in stay):
+        return "HOLDS"
+    return "UNDECIDED"
+
+
+def lr_contrast(
+    cells: pd.DataFrame,
+    a: str = "1/sqrt(N)",
+    b: str = "1/N",
+    *,
+    half_width: int = 2,
+    n_boot: int = 2000,
+) -> dict:
+    """``drift(a) - drift(b)`` with its paired interval and a verdict against half the
+    predicted difference: ``differ as predicted`` (interval entirely beyond it),
+    ``do not differ as predicted`` (entirely short of it) or ``undecided``."""
+    cells = _loss_cells(cells)
+    sub = cells[cells["arm"].isin([a, b])]
+    per_seed = sub.groupby("seed").size()
+    full = per_seed[per_seed == per_seed.max()].index
+    out = contrast_interval(sub[sub["seed"].isin(full)], "arm", a, b, n_boot=n_boot,
+                            half_width=half_width, seed=1)  # fmt: skip
+    predicted = PREDICTED_DRIFT[a] - PREDICTED_DRIFT[b]
+    half = predicted / 2
+    lo, hi = out["ci_low"], out["ci_high"]
+    beyond = hi < half if predicted < 0 else lo > half
+    short = lo > half if predicted < 0 else hi < half
+    verdict = "differ as predicted" if beyond else "do not differ as predicted" if short else (
+        "undecided")  # fmt: skip
+    return {**out, "predicted": predicted, "verdict": verdict}
+
+
+def reach_summary(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per task x recall x outer norm: runs, reached fixed points, rho (all runs and where
+    reached), ||dh*/dx|| where reached (median, min, max), accuracy at R, 2R and 4R rounds,
+    training steps and how many runs stopped on the plateau rule."""
+    df = runs.copy()
+    reached = df["converged"].astype(bool)
+    df["dep"] = df["input_dependence"].where(reached)
+    df["rho_reached"] = df["spectral_radius"].where(reached)
+    agg = df.groupby(["task", "recall", "outer_norm"], sort=False).agg(
+        runs=("seed", "size"),
+        reached=("converged", "sum"),
+        rho_median=("spectral_radius", "median"),
+        rho_reached_median=("rho_reached", "median"),
+        dep_median=("dep", "median"),
+        dep_min=("dep", "min"),
+        dep_max=("dep", "max"),
+        acc_R4=("acc_R4", "mean"),
+        acc_R8=("acc_R8", "mean"),
+        acc_R16=("acc_R16", "mean"),
+        steps_median=("steps", "median"),
+        train_loss=("train_loss", "mean"),
+        plateaued=("stop", lambda s: int((s != "cap").sum())),
+    )
+    return agg.reset_index()
+
+
+def reach_claims(runs: pd.DataFrame) -> pd.DataFrame:
+    """Claims A and B with what was measured: columns ``claim, measured, expected, verdict``
+    (``holds`` / ``fails`` / ``undecided``)."""
+    reached = runs["converged"].astype(bool)
+    rows = []
+    on = runs[runs["outer_norm"].astype(bool)]
+    fracs = {r: float(on.loc[on["recall"] == r, "converged"].astype(bool).mean())
+             for r in ("add", "internal") if (on["recall"] == r).any()}  # fmt: skip
+    counts = ", ".join(
+        f"{r} {int(on.loc[on['recall'] == r, 'converged'].astype(bool).sum())}/"
+        f"{int((on['recall'] == r).sum())}"
+        for r in fracs
+    )
+    if len(fracs) < 2:
+        verdict = "undecided"
+    elif min(fracs.values()) <= REACH_FAILS:
+        verdict = "fails"
+    elif min(fracs.values()) >= REACH_HOLDS:
+        verdict = "holds"
+    else:
+        verdict = "undecided"
+    rows.append({"claim": "A: recall + outer norm reliably reach a fixed point",
+                 "measured": f"reached with outer norm: {counts or 'no runs'}",
+                 "expected": f">= {REACH_HOLDS:.0%} for add and internal (fails at <= "
+                             f"{REACH_FAILS:.0%})", "verdict": verdict})  # fmt: skip
+    dep = runs["input_dependence"]
+    none = reached & (runs["recall"] == "none")
+    recall = reached & (runs["recall"] != "none")
+    if not none.any() or not recall.any():
+        verdict = "undecided"
+    elif (dep[none] <= NO_DEPENDENCE).all() and (dep[recall] > DEPENDENCE).all():
+        verdict = "holds"
+    else:
+        verdict = "fails"
+    measured = (
+        f"no recall: max {dep[none].max():.3g} over {int(none.sum())} reached; recall: "
+        f"min {dep[recall].min():.3g} over {int(recall.sum())} reached"
+    )
+    rows.append({"claim": "B: without recall the fixed point does not depend on the input",
+                 "measured": measured, "expected": f"<= {NO_DEPENDENCE:g} without recall, "
+                 f"> {DEPENDENCE:g} with", "verdict": verdict})  # fmt: skip
+    return pd.DataFrame(rows)
