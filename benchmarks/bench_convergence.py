@@ -20,6 +20,7 @@ cold row only: the before figure of the same script.
 
     .venv/bin/python benchmarks/bench_convergence.py
     .venv/bin/python benchmarks/bench_convergence.py --work [--d 32 --R 8 --seq 16 --batch 4]
+    .venv/bin/python benchmarks/bench_convergence.py --bound   # `loopprobe bound`, 2 tolerances
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import inspect
+import json
 import statistics
 import time
 
@@ -40,6 +42,9 @@ def main() -> None:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", action="store_true", help="issue 18.2: operator work")
+    parser.add_argument(
+        "--bound", action="store_true", help="`loopprobe bound` at the old and new tolerance"
+    )
     parser.add_argument("--d", type=int, default=32)
     parser.add_argument("--R", type=int, default=8)
     parser.add_argument("--seq", type=int, default=16)
@@ -51,6 +56,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.work:
         work(args)
+    elif args.bound:
+        bound_cost()
     else:
         iterations()
 
@@ -74,6 +81,29 @@ def iterations() -> None:
                 f"{norm:9s} {method:8s} {str(rep.converged):9s}  {it.max():9d}  "
                 f"{it.mean():10.1f}  {cpu:5.1f}  {rep.kappa:.6f}"
             )
+
+
+def bound_cost() -> None:
+    """CPU time of the README's `loopprobe bound --K 2 --R 1,2,4,8,16` per scheme, at the
+    default tolerance and at the earlier default (--tol 1e-10), one run each, same machine."""
+    import resource
+    import subprocess
+    import sys
+
+    exe = [sys.executable, "-c", "from loopprobe.cli import main; raise SystemExit(main())"]
+    print("scheme    tolerance        CPU-s  wall-s  kappa_R at R=16")
+    for norm in ("deepnorm", "deeploop"):
+        for tol in ([], ["--tol", "1e-10"]):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            wall = time.perf_counter()
+            cmd = [*exe, "bound", "--K", "2", "--R", "1,2,4,8,16", "--norm", norm, "--json", *tol]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            wall = time.perf_counter() - wall
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            rows = json.loads(out)["rows"]
+            name = "default" if not tol else "1e-10 (before)"
+            print(f"{norm:9s} {name:15s} {cpu:6.1f}  {wall:6.1f}  {rows[-1]['kappa']:.10f}")
 
 
 # -- issue 18.2: operator work -----------------------------------------------------------

@@ -28,6 +28,7 @@ from loopprobe.experiments.reproductions import (
     reach_summary,
 )
 
+
 def md(df: pd.DataFrame, digits: int = 3) -> str:
     """A markdown table (no tabulate dependency)."""
 

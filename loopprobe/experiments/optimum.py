@@ -70,16 +70,19 @@ def _curve_vertices(x: np.ndarray, m: np.ndarray, draws: np.ndarray, half_width:
     return np.array([vertex(x, row, half_width) for row in means])
 
 
-def _draws(frame: pd.DataFrame, group: str, Ns: Sequence[int], n_boot: int, seed: int):
+def _draws(frame: pd.DataFrame, group: str, Ns: Sequence[int], n_boot: int, seed: int,
+           level: float, call: str):  # fmt: skip
     """Seeds present in every (group, N) curve, and the bootstrap draws over them (row 0:
-    the sample itself)."""
+    the sample itself); checks the frame and the level first."""
+    if not 0 < level < 1:
+        raise ValueError(f"{call}: level={level!r} must lie in (0, 1)")
     need = {group, "N", "lr", "seed", "loss"}
     if missing := need - set(frame.columns):
-        raise ValueError(f"frame lacks columns {sorted(missing)}")
+        raise ValueError(f"{call}: frame lacks columns {sorted(missing)}")
     sub = frame[frame["N"].isin(Ns)]
     curves = sub.groupby([group, "N"])
     if len(curves) == 0:
-        raise ValueError(f"no rows with N in {list(Ns)}")
+        raise ValueError(f"{call}: no rows with N in {list(Ns)}")
     seeds = sorted(set.intersection(*(set(g["seed"]) for _, g in curves)))
     rng = np.random.default_rng(seed)
     S = len(seeds)
@@ -122,12 +125,7 @@ def drift_interval(
     ``drift``, ``ci_low``, ``ci_high``, ``boot_valid`` (fraction of resamples where both
     vertices exist; the interval is over those).
     """
-    if not 0 < level < 1:
-        raise ValueError(f"drift_interval: level={level!r} must lie in (0, 1)")
-    try:
-        sub, seeds, draws = _draws(frame, group, (lo, hi), n_boot, seed)
-    except ValueError as e:
-        raise ValueError(f"drift_interval: {e}") from None
+    sub, seeds, draws = _draws(frame, group, (lo, hi), n_boot, seed, level, "drift_interval")
     rows = []
     for level_value in sub[group].unique():
         v = _vertices(sub, group, level_value, seeds, draws, (lo, hi), half_width)
@@ -154,13 +152,8 @@ def contrast_interval(
 ) -> dict[str, float]:
     """``drift(a) - drift(b)`` in octaves with one paired seed bootstrap (the same resample
     for both levels of ``group``): ``{"contrast", "ci_low", "ci_high", "boot_valid", "seeds"}``."""
-    if not 0 < level < 1:
-        raise ValueError(f"contrast_interval: level={level!r} must lie in (0, 1)")
-    try:
-        sub, seeds, draws = _draws(frame[frame[group].isin([a, b])], group, (lo, hi), n_boot,
-                                   seed)  # fmt: skip
-    except ValueError as e:
-        raise ValueError(f"contrast_interval: {e}") from None
+    frame = frame[frame[group].isin([a, b])] if group in frame else frame
+    sub, seeds, draws = _draws(frame, group, (lo, hi), n_boot, seed, level, "contrast_interval")
     v = [_vertices(sub, group, x, seeds, draws, (lo, hi), half_width) for x in (a, b)]
     c = (v[0][hi] - v[0][lo]) - (v[1][hi] - v[1][lo])
     ci_low, ci_high, valid = _interval(c, n_boot, level)

@@ -74,8 +74,9 @@ def reproductions_section(ctx: Context) -> Result:
         tables.append(("Reachability claims", claims))
         mapping = {"holds": HOLDS, "fails": FAILS, "undecided": UNKNOWN}
         verdicts += [
-            Verdict("reproductions", r["claim"], mapping[r["verdict"]], r["measured"],
-                    r["expected"])  # fmt: skip
+            Verdict(
+                "reproductions", r["claim"], mapping[r["verdict"]], r["measured"], r["expected"]
+            )  # fmt: skip
             for r in claims.to_dict("records")
         ]
     return Result(
