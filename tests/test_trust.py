@@ -13,7 +13,8 @@ import loopprobe as lp
 from loopprobe.estimate.alignment import _kappa_checks, visit_alignment
 from loopprobe.estimate.bound import bound_check
 from loopprobe.estimate.implicit import input_dependence
-from loopprobe.estimate.sensitivity import choose_method
+from loopprobe.estimate import sensitivity
+from loopprobe.estimate.sensitivity import choose_method, lanczos_group
 
 
 def reference(norm: str = "deeploop", dtype=torch.float64):
@@ -32,9 +33,28 @@ def test_the_default_method_converges_on_the_reference_model_well_inside_its_bud
     assert 0 < rep.kappa <= 8
 
 
-def test_lanczos_is_chosen_only_while_its_basis_fits_in_memory():
+def test_lanczos_is_chosen_while_one_basis_fits_and_operators_are_grouped_to_fit():
     assert choose_method(20, 10_000, 100, torch.float64) == "lanczos"
-    assert choose_method(20, 10_000_000, 100, torch.float64) == "power"
+    assert choose_method(20, 1_000_000, 100, torch.float64) == "lanczos"  # 0.8 GB per basis
+    assert choose_method(20, 10_000_000, 100, torch.float64) == "power"  # 8 GB per basis
+    assert lanczos_group(20, 10_000, 100, torch.float64) == 20  # 160 MB together
+    assert lanczos_group(20, 524_288, 100, torch.float32) == 5  # d 256: 210 MB each
+    assert lanczos_group(20, 1_000_000, 100, torch.float64) == 1
+
+
+def test_lanczos_in_groups_gives_the_one_batch_answers(monkeypatch):
+    model, idx, loss = reference()
+    one = lp.sensitivity_norms(lp.attach(model), idx)
+    probe = lp.attach(model)
+    n_max = max(g.sublayer.numel for g in probe.groups(idx))
+    monkeypatch.setattr(sensitivity, "LANCZOS_BYTES", 3 * 100 * n_max * 8)  # groups of 3
+    assert lanczos_group(20, n_max, 100, torch.float64) == 3
+    grouped = lp.sensitivity_norms(probe, idx)
+    assert grouped.method == one.method == "lanczos"
+    a = [*one.visit_norms, *one.tied_norms.values()]
+    b = [*grouped.visit_norms, *grouped.tied_norms.values()]
+    assert [e.iterations for e in a] == [e.iterations for e in b]
+    assert [e.value for e in a] == pytest.approx([e.value for e in b], rel=1e-12)
 
 
 def test_a_kappa_above_R_or_nan_is_flagged_not_printed_as_a_measurement():

@@ -130,8 +130,9 @@ def sensitivity_norms(
     """``||U_{r,j}||`` for every included visit and ``||sum_r U_{r,j}||`` for every sublayer.
 
     ``visits``: which visits carry an offset (default: the gradient-visible ones, measured
-    with respect to F). Every operator is estimated in one batch: ``method="auto"`` (the
-    default) picks Lanczos while its basis fits in memory (:func:`choose_method`), else
+    with respect to F). Operators are estimated in one batch: ``method="auto"`` (the
+    default) picks Lanczos while one operator's basis fits in 1 GiB (:func:`choose_method`;
+    operators whose bases do not fit together run in groups, :func:`lanczos_group`), else
     power iteration; ``method="power"`` by
     power iteration (``tol`` on the relative change of the estimate; default from the
     lowest precision the forward computes in: 1e-10 in float64, 1e-5 in float32, see
@@ -194,18 +195,29 @@ def sensitivity_norms(
     if warm_visits is None:
         warm_visits = jac.n_max >= WARM_VISITS_N
     first = _first_phase(visits, keys) if start is None and warm_visits else [*range(len(ops))]
-    run = partial(
+    group = len(ops)
+    if method == "lanczos":
+        group = lanczos_group(len(ops), jac.n_max, max_iter, jac.dtype)
+    estimate = partial(
         _estimate, jac, method=method, max_iter=max_iter, tol=tol, chunk_size=chunk_size,
         call=call, ranks=ranks,
     )  # fmt: skip
-    ests = dict(zip(first, run(masks[first], v0[first], vectors, list(first)), strict=True))
+
+    def run(rows: list[int]) -> list[Estimate]:  # in groups whose Krylov bases fit
+        out: list[Estimate] = []
+        for at in range(0, len(rows), group):
+            g = rows[at : at + group]
+            out += estimate(masks[g], v0[g], vectors, g)
+        return out
+
+    ests = dict(zip(first, run(list(first)), strict=True))
     rest = [b for b in range(len(ops)) if b not in ests]
     if rest:  # every visit from its sublayer's tied top vector, plus a random part
         tied_of = {key[1]: b for b, key in enumerate(keys) if key[0] == "tied"}
         for b in rest:
             top = vectors[tied_of[visits[b].j]]
             v0[b] = top / top.norm().clamp_min(1e-300) + VISIT_NOISE * v0[b] / v0[b].norm()
-        ests.update(zip(rest, run(masks[rest], v0[rest], vectors, rest), strict=True))
+        ests.update(zip(rest, run(rest), strict=True))
     ests = [ests[b] for b in range(len(ops))]
     precision, certified = precision_note(jac.dtypes)
     if not certified:
@@ -247,11 +259,23 @@ LANCZOS_BYTES = 2**30
 
 
 def choose_method(operators: int, n: int, max_iter: int, dtype: torch.dtype) -> str:
-    """``"lanczos"`` while its Krylov basis (``operators x max_iter x n`` numbers) fits in
-    1 GiB, else ``"power"`` (two vectors per operator). On the reference models Lanczos
-    converges in 30-35 iterations where power iteration has not after 100 (README)."""
-    size = operators * max_iter * n * torch.finfo(dtype).bits // 8
-    return "lanczos" if size <= LANCZOS_BYTES else "power"
+    """``"lanczos"`` while one operator's Krylov basis (``max_iter x n`` numbers) fits in
+    ``LANCZOS_BYTES`` (1 GiB), else ``"power"`` (two vectors per operator). Operators whose
+    bases do not fit together run in groups (:func:`lanczos_group`). On the reference models
+    Lanczos converges in 17-35 iterations where power iteration has not after 100 (README)."""
+    del operators  # the groups take care of the count
+    return "lanczos" if _basis_bytes(n, max_iter, dtype) <= LANCZOS_BYTES else "power"
+
+
+def lanczos_group(operators: int, n: int, max_iter: int, dtype: torch.dtype) -> int:
+    """How many operators one Lanczos run carries: as many as have their bases
+    (``max_iter x n`` numbers each) in ``LANCZOS_BYTES`` together, at least 1. The groups
+    run one after another; each product still batches its group's operators."""
+    return max(1, min(operators, LANCZOS_BYTES // _basis_bytes(n, max_iter, dtype)))
+
+
+def _basis_bytes(n: int, max_iter: int, dtype: torch.dtype) -> int:
+    return max(1, max_iter * n * torch.finfo(dtype).bits // 8)
 
 
 def default_tol(dtype: torch.dtype, method: str = "power") -> float:
