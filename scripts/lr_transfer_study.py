@@ -7,7 +7,7 @@ cell trains a fresh model with lp.experiments.lrtransfer.lr_transfer (AdamW, war
 linear decay, clip 1) and is cached per cell in --cache (resumable). Seeds run in order,
 each complete before the next, so an interrupted study leaves whole seeds.
 
-    python scripts/lr_transfer_study.py --cache DIR   # run 2: ~80 CPU-minutes (one thread)
+    python scripts/lr_transfer_study.py --cache DIR   # run 2: ~75 CPU-minutes (one thread)
     python scripts/lr_transfer_study.py --cache DIR --seed0 100 --seeds 6 --out a.csv &
     python scripts/lr_transfer_study.py --cache DIR --seed0 106 --seeds 6 --out b.csv  # 2 cores
     python scripts/lr_transfer_study.py --run 1 --cache DIR   # run 1 (exploratory, 120 steps)

@@ -160,6 +160,8 @@ def test_the_report_section_reads_the_cached_cells_and_states_the_verdicts(tmp_p
         report.verdicts.HOLDS
     )
     assert any(c.startswith("run 1, 1/sqrt(N)") for c in claims_seen)
+    # run 2 (README): the pre-stated contrast between 1/sqrt(N) and 1/N does not hold
+    assert claims_seen["run 2: 1/√N moves the optimum more than 1/N does"] == report.verdicts.FAILS
 
 
 def test_the_report_section_is_skipped_without_cached_cells_and_for_a_user_model(tmp_path):
