@@ -36,6 +36,7 @@ def test_quick_report_writes_index_results_and_at_least_four_figures(quick_repor
         "increments",
         "coordcheck",
         "fixedpoint",
+        "reproductions",
     }
     assert {v["verdict"] for v in verdicts} <= {"holds", "does not hold", "cannot tell"}
     assert all(v["expected"] for v in verdicts)
