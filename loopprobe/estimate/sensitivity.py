@@ -182,7 +182,7 @@ def sensitivity_norms(
     ops, keys = _operators(visits)
     masks = jac.masks(ops)
     if method == "auto":
-        method = choose_method(len(ops), jac.n_max, max_iter, jac.dtype)
+        method = choose_method(jac.n_max, max_iter, jac.dtype)
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     jac.vjp_fn()
     assert jac.F0 is not None
@@ -258,12 +258,11 @@ def _operators(visits: Sequence[Visit]) -> tuple[list[list[int]], list[tuple[str
 LANCZOS_BYTES = 2**30
 
 
-def choose_method(operators: int, n: int, max_iter: int, dtype: torch.dtype) -> str:
+def choose_method(n: int, max_iter: int, dtype: torch.dtype) -> str:
     """``"lanczos"`` while one operator's Krylov basis (``max_iter x n`` numbers) fits in
     ``LANCZOS_BYTES`` (1 GiB), else ``"power"`` (two vectors per operator). Operators whose
     bases do not fit together run in groups (:func:`lanczos_group`). On the reference models
     Lanczos converges in 17-35 iterations where power iteration has not after 100 (README)."""
-    del operators  # the groups take care of the count
     return "lanczos" if _basis_bytes(n, max_iter, dtype) <= LANCZOS_BYTES else "power"
 
 
