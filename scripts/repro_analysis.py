@@ -1,13 +1,17 @@
 """Analysis of the issue-17 studies from their CSVs (no training; seconds).
 
-    python scripts/repro_analysis.py   # reads docs/data/{lr_transfer,reachability}_study.csv
+    python scripts/repro_analysis.py   # reads docs/data/{lr_transfer_study,lr_transfer_study2,
+                                       #                  reachability_study}.csv
 
-LR transfer: per arm the parabola-vertex optimum (log2 lr) at N = 1 and 8, the drift in
-octaves with its 95% paired seed-bootstrap interval (loopprobe.experiments.optimum) and the
-pre-stated verdict (margin 0.75 octave). Reachability: per task x recall x outer norm the
-fraction of runs that reached a fixed point, rho and ||dh*/dx|| there, accuracy at R, 2R, 4R.
-Writes docs/data/lr_transfer_drift.csv, docs/data/reachability_summary.csv and the figures
-docs/figures/lr_transfer_study.png, docs/figures/reachability_study.png; prints markdown.
+The criteria and the analysis are loopprobe.experiments.reproductions (shared with the
+report's ``reproductions`` section). LR transfer, per run (1: exploratory, 2: confirmatory):
+per arm the parabola-vertex optimum (log2 lr) at N = 1 and 8, the drift in octaves with its
+95% paired seed-bootstrap interval and the pre-stated verdict (margin 0.75 octave), the claim,
+and the contrast drift(1/sqrt N) - drift(1/N). Reachability: per task x recall x outer norm
+the runs that reached a fixed point, rho and ||dh*/dx|| there, accuracy at R, 2R, 4R, and
+claims A and B. Writes docs/data/lr_transfer_drift{,2}.csv, docs/data/reachability_summary.csv
+and the figures docs/figures/lr_transfer_study{,2}.png, docs/figures/reachability_study.png;
+prints markdown.
 """
 
 from __future__ import annotations
