@@ -33,6 +33,7 @@ from loopprobe.experiments.optimum import classify, contrast_interval, drift_int
 
 __all__ = [
     "LR_RUNS",
+    "MARGIN",
     "PREDICTED_DRIFT",
     "lr_claim",
     "lr_contrast",

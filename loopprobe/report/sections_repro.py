@@ -14,6 +14,7 @@ import pandas as pd
 
 from loopprobe.experiments.reproductions import (
     LR_RUNS,
+    MARGIN,
     PREDICTED_DRIFT,
     lr_claim,
     lr_contrast,
@@ -96,10 +97,12 @@ def _lr_verdicts(run: int, table: pd.DataFrame, contrast: dict, prestated: bool)
         measured = f"drift {r['drift']:+.2f} [{r['ci_low']:+.2f}, {r['ci_high']:+.2f}] oct"
         verdict = UNKNOWN if r["verdict"] not in ("stays", "drifts") else (
             HOLDS if r["verdict"] == expect else FAILS)  # fmt: skip
-        why = "" if verdict != UNKNOWN else "the interval straddles the margin (0.75 oct)"
+        why = "" if verdict != UNKNOWN else (
+            "optimum off the grid in > 10 % of resamples" if "grid" in r["verdict"] else
+            f"the interval straddles the margin ({MARGIN:g} oct)")  # fmt: skip
         out.append(Verdict("reproductions", f"run {run}, {arm}: the optimal lr {expect} from "
                            "N = 1 to 8", verdict, measured, f"{predicted:+.1f} oct "
-                           "(margin 0.75)", why))  # fmt: skip
+                           f"(margin {MARGIN:g})", why))  # fmt: skip
     if prestated:
         v = contrast["verdict"]
         verdict = {"differ as predicted": HOLDS, "do not differ as predicted": FAILS}.get(
