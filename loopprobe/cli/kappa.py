@@ -125,7 +125,7 @@ def add_target_args(parser: argparse.ArgumentParser, *, default_norm: str) -> No
         dest="max_iter",
         type=int,
         default=100,
-        help="power iterations per operator norm (100)",
+        help="iterations per operator norm (100; Lanczos or power iteration, see --tol)",
     )
     est.add_argument(
         "--tol",
@@ -153,7 +153,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "kappa",
         help="measure kappa_R, M and M_g on the reference LoopedGPT or your own model",
         description=(
-            "Per-visit updates G (one backward) and sensitivities U (power iteration on "
+            "Per-visit updates G (one backward) and sensitivities U (Lanczos or power iteration on "
             "JVP/VJP, batched over visits) give kappa_j = ||sum U|| ||sum G|| / "
             "(R_j max||U|| max||G||) for every physical sublayer and kappa_R = max_j "
             "(seed 002, Eq. 12); 0 <= kappa_j <= R_j. Default target: LoopedGPT with random "
