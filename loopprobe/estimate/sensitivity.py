@@ -420,7 +420,7 @@ def _estimate(
         gap = (wv - uu).abs() / scale[idx].clamp_min(1e-300)
         bad = gap > adj_tol
         if bool(bad.any()):
-            b = int(idx[int(bad.nonzero()[0])])
+            b = rows[int(idx[int(bad.nonzero()[0])])]  # the operator number in the whole call
             raise RuntimeError(
                 f"{call}: the JVP and VJP of operator {b} disagree: <U^T U v, v> = "
                 f"{float(wv[bad][0]):.10g} but ||U v||^2 = {float(uu[bad][0]):.10g}, a "
