@@ -77,9 +77,14 @@ def call_user(fn: Callable[..., Any], what: str, spec: str, *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as err:  # noqa: BLE001 - the user's code: report it in one line
-        shown = (repr(a) if isinstance(a, int | float | str) else type(a).__name__ for a in args)
-        call = f"{spec.partition(':')[2]}({', '.join(shown)})"
+        call = _call_text(spec, args)
         raise ValueError(f"{what} {spec}: {call} raised {type(err).__name__}: {err}") from err
+
+
+def _call_text(spec: str, args: tuple) -> str:
+    """``fn(3, Tensor)``: the call of ``spec``'s function, simple arguments shown, others named."""
+    shown = (repr(a) if isinstance(a, int | float | str) else type(a).__name__ for a in args)
+    return f"{spec.partition(':')[2]}({', '.join(shown)})"
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -102,9 +107,8 @@ def load_model(spec: str, *args: Any, what: str = "--model") -> Any:
 
     model = call_user(load_object(spec, what), what, spec, *args)
     if not isinstance(model, nn.Module):
-        call = f"{spec.partition(':')[2]}({', '.join(map(repr, args))})"
         raise TypeError(
-            f"{what} {spec}: {call} returned a {type(model).__name__}, not a torch.nn.Module; "
-            "the factory must build and return the model"
+            f"{what} {spec}: {_call_text(spec, args)} returned a {type(model).__name__}, "
+            "not a torch.nn.Module; the factory must build and return the model"
         )
     return model
