@@ -8,11 +8,16 @@ read from the visit recording of :meth:`loopprobe.Probe.record` (no second hook 
   models' ``blocks[k].attn`` / ``.mlp`` branch modules);
 - ``increment="delta"``: the sublayer returns the updated stream (a whole residual block
   ``x + f(x)``, most third-party loop bodies); the increment is ``output - input``;
-- ``increment="auto"`` (default): one of the two per sublayer, read off the forward pass
-  (does the next visit read the output, or input + output?); the result's ``measured``
-  and ``evidence`` say which and why;
+- ``increment="auto"`` (default): one of these per sublayer, read off every pair of
+  consecutive visits of the forward pass (does the next visit read the output, input +
+  output, or output + the same tensor each time, an input injection ``z <- f(x + z)``
+  whose increment is output + injection - input, the change of the stream between
+  reads?); readings that disagree are a ValueError; the result's ``measured`` and
+  ``evidence`` say which and why;
 - a callable ``increment(record) -> Tensor`` for anything else (``record`` is a
-  :class:`loopprobe.VisitRecord` with ``args``, ``kwargs`` and ``output``).
+  :class:`loopprobe.VisitRecord` with ``args``, ``kwargs`` and ``output``, the output
+  exactly as the module returned it: a ``(hidden, extras)`` tuple stays a tuple); its
+  result must have the stream's shape.
 
 Per group of visits (a physical sublayer's visits; for an untied stack, where each
 sublayer is visited once, the visits of the same *role*, ``blocks.*.attn``) it reports
@@ -75,12 +80,16 @@ class Increments(Trust):
     ``||sum inc||^2 / sum ||inc||^2``. ``stream_rms[i]`` is the RMS of the stream after
     visit i (as the next visit reads it; the final state for the last visit).
     ``measured[sublayer]`` is what was taken as its increment (``"output"``,
-    ``"output - input"`` or ``"callable"``) and ``evidence[sublayer]`` why. ``growth`` is
-    ``growth_measure`` (the relative change, or an absolute RMS when ``h_0 = 0``).
+    ``"output - input"``, ``"output + injection - input"`` or ``"callable"``) and
+    ``evidence[sublayer]`` why. ``growth`` is ``growth_measure`` (the relative change, or
+    an absolute RMS when ``h_0 = 0``).
     ``converged`` is True when every increment and the growth are finite, no increment is
-    zero (its cosines would be undefined) and nothing contradicts what was measured (a
-    group with one visit has no cross-visit cosine by definition: NaN, not a failure);
-    ``reason`` says what is not ("" when converged).
+    zero (its cosines would be undefined) and no pair of consecutive visits contradicts
+    what was measured (an explicit ``increment=`` the forward pass refutes; a callable
+    whose result the next visit reads as the stream itself); a group with one visit has
+    no cross-visit cosine by definition: NaN, not a failure. ``reason`` says what is not
+    ("" when converged). A decision taken by size alone is not checked by any reading
+    (``evidence`` then quotes the size rule).
     """
 
     visits: list[Visit]
@@ -264,20 +273,32 @@ def increments(
     floating-point tensor argument shaped like its output, positional or keyword):
     ``"output"`` (a residual branch), ``"delta"`` (``output - input``: a block returning
     the updated stream), a callable ``record -> Tensor``, or ``"auto"`` (default), decided
-    per sublayer from the forward pass itself: when the next visit (or the model output)
-    reads this visit's output, the sublayer returns the state and ``delta`` is measured;
-    when it reads input + output, ``output`` is. Without such a chain, by size:
-    ``||output - input|| <= ||input|| / 2`` at every visit is a state, ``||output|| <=
-    ||input|| / 2`` an increment; anything else is a ValueError asking for the choice.
-    An explicit choice that the chain contradicts is measured as asked but makes the
-    result ``converged=False`` with the reason. ``measured`` and ``evidence`` record,
-    per sublayer, what was measured and why.
+    per sublayer from every pair of consecutive visits (and the model output): when the
+    next visit reads this visit's output, the sublayer returns the state and ``delta`` is
+    measured; when it reads input + output, ``output`` is; when it reads output + the same
+    tensor c at every visit (an input injection ``z <- f(x + z)``), ``output + c - input``
+    is (the change of the stream between reads; ``h_N`` is then the last output + c, not
+    the loop's returned ``z``). A reading two of these explain alike is no evidence (a
+    zero input; a first visit whose input is the injection itself, as from a zero state);
+    readings that disagree (including a next visit that reads none of these) are a
+    ValueError asking for the choice. Without readings, by size: ``||output - input|| <=
+    ||input|| / 2`` at every visit is a state, ``||output|| <= ||input|| / 2`` an
+    increment; anything else is a ValueError. An explicit choice that the readings
+    contradict is measured as asked but makes the result ``converged=False`` with the
+    reason. ``measured`` and ``evidence`` record, per sublayer, what was measured and why.
+
+    A callable gets a :class:`loopprobe.VisitRecord` whose ``output`` is what the module
+    returned (a ``(hidden, extras)`` tuple stays a tuple: ``rec.output[0] - rec.args[0]``);
+    a result not shaped like the stream is a ValueError naming both shapes, and a result
+    that the next visit reads as the stream itself (the updated state, not what was
+    added) makes the result ``converged=False``.
 
     Nothing but the increments (cloned unless ``copy=False``, which is faster but only
     right for models that do not edit a branch output in place after it returns), the
     first input and per-visit stream norms is kept: one visit session of the probe, no
-    full recording. The caller's RNG state is restored afterwards (dropout in training
-    mode draws from a fork). Reference: docs/definitions.md §3.
+    full recording (``"auto"`` also keeps each visit's input until the end of the pass,
+    since the decision rests on all its visits). The caller's RNG state is restored
+    afterwards (dropout in training mode draws from a fork). Reference: docs/definitions.md §3.
     """
     call = "increments"
     if group_by not in GROUPINGS:
@@ -295,7 +316,10 @@ def increments(
         col = Collector(increment, copy, call)
         out = col.run(probe, inputs, forward)
     visits, h0, incs = col.visits, col.h0, col.incs
-    if isinstance(out, torch.Tensor) and out.shape == h0.shape:
+    # under an input injection the loop's output is its carried state z_N, not the stream
+    # the visits read (x + z_N): h_N is rebuilt from the last visit like every increment
+    injected = visits[-1].sublayer in col.injected
+    if isinstance(out, torch.Tensor) and out.shape == h0.shape and not injected:
         hN, source = out.detach(), "forward output"
     else:
         x, version, k = col.last
@@ -306,6 +330,8 @@ def increments(
                 "pass forward=lambda m, x: ... returning the final state"
             )
         hN, source = x.detach() + incs[k], "last visit input + increment"
+        if injected:
+            source += " (output + injection)"
         if hN.shape != h0.shape:
             raise ValueError(
                 f"{call}: the first visit reads a stream of shape {tuple(h0.shape)} but the "
