@@ -26,6 +26,15 @@ loopprobe's probes only (the user's settings are untouched outside them):
   (a VJP of a VJP), and says so in its ``mode``. An op with neither rule is one error
   naming the op and the module that runs it (:func:`module_running`).
 
+- **Forwards that torch.func refuses outright.** An old-style ``torch.autograd.Function``
+  (``ctx`` in ``forward``, no ``setup_context``), ``requires_grad_()`` / ``retain_grad()``
+  on a tensor made in the forward, a tensor hook, ``torch.autograd.grad`` inside the
+  forward: :func:`transform_refusal` recognises torch's refusal and :func:`refused_at`
+  names the Function, the module and the line; :class:`AutogradProducts` then gives the
+  same ``J^T u`` and ``J v`` from plain ``torch.autograd`` (one graph, a double backward for
+  ``J v``, one vector at a time), and a backward that cannot be differentiated again is one
+  error naming the Function and the way out.
+
 It also measures which floating dtypes a forward computes in (:func:`dtypes_on_path`), so
 that tolerances follow the lowest precision on the path, not the parameters' dtype.
 (Buffers written in place during forward are handled where F is built:
@@ -205,6 +214,158 @@ class JVP:
             ) from None
 
 
+# --------------------------------------------------------------------------- refusals
+
+_REFUSALS = (
+    ("must override the setup_context staticmethod", "an autograd.Function without setup_context"),
+    ("attempting to call Tensor.", "{call} on a tensor made in the forward"),
+    ("cannot register a hook on a tensor", "a tensor hook (Tensor.register_hook) in the forward"),
+    ("can't retain_grad on Tensor", "Tensor.retain_grad() in the forward"),
+    ("does not require grad", "torch.autograd.grad (or .backward) inside the forward"),
+)
+_CALLED = re.compile(r"attempting to call (Tensor\.\w+\(\))")
+
+
+def transform_refusal(error: BaseException) -> str | None:
+    """What in the forward made ``torch.func`` refuse it (torch's error ``error``), else
+    ``None`` (an error of another kind, to be raised as it is)."""
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    for pattern, what in _REFUSALS:
+        if pattern in text:
+            m = _CALLED.search(text)
+            return what.format(call=m.group(1) if m else "Tensor.requires_grad_()")
+    return None
+
+
+def _frames(error: BaseException) -> list[tuple[Any, int]]:
+    out, tb = [], error.__traceback__
+    while tb is not None:
+        out.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return out
+
+
+def refused_function(error: BaseException) -> str | None:
+    """The ``autograd.Function`` whose ``apply`` raised ``error``, by qualified name."""
+    for frame, _ in reversed(_frames(error)):
+        cls = frame.f_locals.get("cls") if frame.f_code.co_name == "apply" else None
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            return cls.__qualname__
+    return None
+
+
+def refused_at(error: BaseException, model: torch.nn.Module | None = None) -> str:
+    """`` (Fn.apply in module 'block', at file.py:12: `source`)``: where in the user's code
+    ``error`` was raised (the Function, the innermost module of ``model``, the line)."""
+    import linecache
+    import os
+
+    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+    inside = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+    module = line = None
+    for frame, lineno in reversed(_frames(error)):
+        me = frame.f_locals.get("self")
+        if module is None and me is not None and id(me) in names:
+            module = names[id(me)]
+        path = frame.f_code.co_filename
+        if line is None and not path.startswith(inside) and not path.startswith("<frozen"):
+            src = linecache.getline(path, lineno).strip()
+            line = f"{os.path.basename(path)}:{lineno}" + (f": `{src}`" if src else "")
+    fn = refused_function(error)
+    parts = [f"{fn}.apply" if fn else None]
+    parts.append(None if module is None else f"in module {module!r}" if module else "in the model")
+    parts.append(f"at {line}" if line else None)
+    said = " ".join(p for p in parts if p)
+    return f" ({said})" if said else ""
+
+
+class AutogradProducts:
+    """``J^T u`` and ``J v`` of ``f(*primals)`` by plain ``torch.autograd``, for a forward
+    that ``torch.func`` refuses (:func:`transform_refusal`).
+
+    ``primals``: one tuple of tensors per argument of ``f``. ``f`` runs once, with grad
+    enabled, on fresh leaves (``out``; the floating dtypes it computes in are ``dtypes``).
+    Every ``J^T u`` is one backward through that graph; every ``J v`` one backward through
+    the graph of the linear map ``u -> J^T u`` (built at the first ``J v``: a double
+    backward), so ``J v`` needs a backward that torch can differentiate. One vector per
+    call (no ``vmap``).
+    """
+
+    def __init__(self, f: Callable, primals: tuple) -> None:
+        self.leaves = tuple(tuple(p.detach().requires_grad_() for p in ps) for ps in primals)
+        self.flat = [p for ps in self.leaves for p in ps]
+        mode = _Dtypes()
+        with torch.enable_grad(), mode:
+            self.out = f(*self.leaves)
+        self.dtypes = mode.seen
+        self._u0: torch.Tensor | None = None
+        self._g: list[torch.Tensor] = []
+        self._used: list[int] = []
+
+    def _grads(self, outs: Any, inputs: list, v: Any) -> tuple:
+        if not any(o.requires_grad for o in outs):  # F does not depend on any offset
+            return (None,) * len(inputs)
+        return torch.autograd.grad(outs, inputs, v, retain_graph=True, allow_unused=True)
+
+    def vjp(self, u: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """``J^T u``, one tuple per argument of ``f`` (zeros where F does not depend on it)."""
+        grads = iter(self._grads([self.out], self.flat, [u]))
+        return tuple(
+            tuple(torch.zeros_like(p) if (g := next(grads)) is None else g for p in ps)
+            for ps in self.leaves
+        )
+
+    def jvp(self, tangents: tuple) -> torch.Tensor:
+        """``J v`` for ``tangents`` shaped like ``primals``: the VJP of ``u -> J^T u``."""
+        if self._u0 is None:
+            self._u0 = torch.zeros_like(self.out, requires_grad=True)
+            g: tuple = (None,) * len(self.flat)
+            if self.out.requires_grad:
+                with torch.enable_grad():
+                    g = torch.autograd.grad(
+                        self.out, self.flat, self._u0, create_graph=True, allow_unused=True
+                    )
+            broken = [i for i, t in enumerate(g) if t is not None and not t.requires_grad]
+            if broken:
+                raise RuntimeError(
+                    "the backward of the forward is not differentiable (its gradient left "
+                    "torch's graph, e.g. through numpy or .detach()), so J v cannot be formed "
+                    "from it"
+                )
+            self._used = [i for i, t in enumerate(g) if t is not None]
+            self._g = [g[i] for i in self._used]
+            self._check_adjoint()
+        return self._jvp([t for ts in tangents for t in ts])
+
+    def _jvp(self, flat: list[torch.Tensor]) -> torch.Tensor:
+        if not self._g:
+            return torch.zeros_like(self.out)
+        (Jv,) = self._grads(self._g, [self._u0], [flat[i] for i in self._used])
+        return torch.zeros_like(self.out) if Jv is None else Jv
+
+    def _check_adjoint(self) -> None:
+        """``<u, J v> = <J^T u, v>`` for one random pair: a backward that autograd cannot
+        differentiate again (``@once_differentiable`` drops the edge silently) gives
+        ``J v = 0`` for its part, which no later product would reveal."""
+        gen = torch.Generator(self.out.device).manual_seed(0)
+        rand = lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device)  # noqa: E731
+        u, v = rand(self.out), [rand(p) for p in self.flat]
+        Jv = self._jvp(v)
+        JTu = [g for ps in self.vjp(u) for g in ps]
+        pairs = list(zip(JTu, v, strict=True))
+        a = float((u * Jv).sum())
+        b = float(sum((g * t).sum() for g, t in pairs))
+        scale = float(u.norm() * Jv.norm()) + float(sum(g.norm() * t.norm() for g, t in pairs))
+        if abs(a - b) > torch.finfo(self.out.dtype).eps ** 0.5 * max(scale, 1e-300):
+            raise RuntimeError(
+                f"the double backward disagrees with the backward: <u, J v> = {a:.6g} but "
+                f"<J^T u, v> = {b:.6g} for random u, v (a backward marked "
+                "@once_differentiable, or one that leaves torch's graph)"
+            )
+
+
 def module_running(model: torch.nn.Module, fn: Callable[[], Any], op: str) -> str | None:
     """The innermost module of ``model`` that runs the aten op ``op`` during ``fn()``."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -260,10 +421,11 @@ class _Dtypes(TorchDispatchMode):
         return out
 
 
-def dtypes_on_path(fn: Callable[[], Any]) -> set[torch.dtype]:
-    """The floating dtypes computed in while ``fn()`` runs (one call, no autograd graph)."""
+def dtypes_on_path(fn: Callable[[], Any], *, grad: bool = False) -> set[torch.dtype]:
+    """The floating dtypes computed in while ``fn()`` runs (one call; ``grad=True`` with
+    grad enabled, for a forward that needs it: a tensor hook, autograd.grad inside)."""
     mode = _Dtypes()
-    with torch.no_grad(), mode:
+    with torch.set_grad_enabled(grad), mode:
         fn()
     return mode.seen
 

@@ -8,6 +8,18 @@ sublayer j and a subset S of its visits: ``t -> sum_{i in S} U_i t`` on ``R^{n_j
 :func:`loopprobe.visit_function` is the public face of the same function; the
 sensitivity and alignment estimators use this class directly for the batched products.
 No dense Jacobian is formed. Definitions: docs/definitions.md (U, per-visit offsets).
+
+A forward that ``torch.func`` refuses (an old-style ``autograd.Function``,
+``requires_grad_()`` in the forward, a tensor hook, ``autograd.grad`` inside) gets the same
+products from plain ``torch.autograd`` (:class:`loopprobe.autodiff.AutogradProducts`, one
+vector at a time); ``jvp.mode`` says so and names what was refused, and where.
+
+Invariant checked on every call (``problems``: one sentence per failed check, empty when
+all hold): F at zero offsets, the probed forward, is the model's own output on the same
+inputs under the same seed (one plain forward, no probe; bitwise on LoopedGPT in float32
+and float64, with dropout 0.1 in train mode; only the attention kernel swap of
+``transform_safe`` moves bits, 3.8e-8 in float32 and 1.0e-16 in float64 on a 3-visit
+SDPA loop, so differences up to ``sqrt(eps)`` of the lowest precision on the path pass).
 """
 
 from __future__ import annotations
@@ -18,8 +30,17 @@ from typing import Any
 import torch
 from torch.func import vjp, vmap
 
-from loopprobe.autodiff import JVP, dtypes_on_path
+from loopprobe.autodiff import (
+    JVP,
+    AutogradProducts,
+    dtypes_on_path,
+    lowest_precision,
+    refused_at,
+    refused_function,
+    transform_refusal,
+)
 from loopprobe.record.probe import Probe, first_nonfinite_visit
+from loopprobe.record.session import restored
 from loopprobe.record.types import Forward, Output, Visit, call_model, pick_output, seeded
 
 
@@ -68,6 +89,10 @@ class VisitJacobian:
             if b is not None
         ]
         self.dtypes: set[torch.dtype] = {self.dtype}
+        self.products: AutogradProducts | None = None  # set when torch.func refuses the forward
+        self.refusal: str | None = None  # what torch.func refused, and where
+        self._refused_fn: str | None = None
+        self.problems: list[str] = []
 
     # -- the function --------------------------------------------------------------
     def f(self, *deltas: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -138,32 +163,136 @@ class VisitJacobian:
 
     def vjp_fn(self) -> Any:
         if self._vjp_fn is None:
-            # Outer no_grad: torch.func still differentiates, but no autograd graph is
-            # recorded for the model's own parameters (much faster, less memory).
             try:
-                with torch.no_grad():
-                    self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+                self._vjp_by_transforms()
             except RuntimeError as e:
-                if "mutate a captured Tensor" not in str(e) or self.buffer_writes is not None:
+                if transform_refusal(e) is None:
                     raise
-                written = self._written_buffers()
-                self.buffer_writes = written
-                self.jvp.reverse = True
-                self.jvp.mode = (
-                    "reverse mode (a VJP of a VJP) on a functionalized forward: the model "
-                    f"writes buffers in place ({', '.join(written) or 'a captured tensor'})"
-                )
-                with torch.no_grad():
-                    self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+                self._to_autograd(e)
             # Tolerances follow the lowest precision the forward computes in, not the
             # parameters' dtype (a float64 model may cast F, a norm or RoPE to float32).
-            self.dtypes = dtypes_on_path(lambda: self.f(*self.primals)) | {self.F0.dtype}
+            assert self.F0 is not None
+            self.dtypes = self._dtypes_on_path() | {self.F0.dtype}
             if not torch.isfinite(self.F0).all():
                 raise FloatingPointError(
                     f"{self.call}: the output F is not finite; "
                     + first_nonfinite_visit(self.probe, self.inputs, self.forward, self.seed)
                 )
+            self.problems = self._F0_problems()
         return self._vjp_fn
+
+    def _vjp_by_transforms(self) -> None:
+        # Outer no_grad: torch.func still differentiates, but no autograd graph is
+        # recorded for the model's own parameters (much faster, less memory).
+        try:
+            with torch.no_grad():
+                self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+        except RuntimeError as e:
+            if "mutate a captured Tensor" not in str(e) or self.buffer_writes is not None:
+                raise
+            written = self._written_buffers()
+            self.buffer_writes = written
+            self.jvp.reverse = True
+            self.jvp.mode = (
+                "reverse mode (a VJP of a VJP) on a functionalized forward: the model "
+                f"writes buffers in place ({', '.join(written) or 'a captured tensor'})"
+            )
+            with torch.no_grad():
+                self.F0, self._vjp_fn = vjp(self.f, *self.primals)
+
+    def _dtypes_on_path(self) -> set[torch.dtype]:
+        if self.products is not None:
+            return self.products.dtypes
+        try:
+            return dtypes_on_path(lambda: self.f(*self.primals))
+        except RuntimeError:  # a forward that needs grad mode (a tensor hook, autograd.grad)
+            leaves = [tuple(p.detach().requires_grad_() for p in ps) for ps in self.primals]
+            return dtypes_on_path(lambda: self.f(*leaves), grad=True)
+
+    # -- plain autograd, where torch.func refuses the forward ------------------------
+    def _to_autograd(self, error: RuntimeError) -> None:
+        """Products from plain ``torch.autograd`` from now on (``error``: torch's refusal)."""
+        self.refusal = f"{transform_refusal(error)}{refused_at(error, self.probe.model)}"
+        self._refused_fn = refused_function(error)
+        try:
+            self.products = AutogradProducts(self._f, self.primals)
+        except RuntimeError as e:
+            raise self._unusable(e) from None
+        self.F0 = self.products.out.detach()
+        self._vjp_fn = self._autograd_vjp
+        self.jvp.reverse = True
+        self.jvp.mode = (
+            "reverse mode by plain torch.autograd (a double backward, one vector at a time): "
+            f"torch.func refuses {self.refusal}"
+        )
+
+    def _unusable(self, error: RuntimeError) -> RuntimeError:
+        fn = self._refused_fn
+        way = (
+            f"give {fn} a setup_context staticmethod (forward without ctx) and a jvp, so "
+            "that torch.func can run it (https://pytorch.org/docs/stable/notes/extending.func"
+            ".html), or a backward torch can differentiate (no @once_differentiable)"
+            if fn
+            else "remove that call from the forward while probing, or exclude the sublayers "
+            "that need it (lp.attach(model, exclude=[...]))"
+        )
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return RuntimeError(
+            f"{self.call}: torch.func refuses this forward ({self.refusal}) and plain "
+            f"torch.autograd cannot form its Jacobian-vector products either ({first}). "
+            f"Way out: {way}"
+        )
+
+    def _autograd_vjp(self, u: torch.Tensor) -> tuple:
+        assert self.products is not None
+        try:
+            return self.products.vjp(u)
+        except RuntimeError as e:
+            raise self._unusable(e) from None
+
+    def _autograd_jvp(self, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        assert self.products is not None
+        tangents = tuple(self.unflatten(k, mask[k] * v[: self.n[k]]) for k in range(len(self.n)))
+        try:
+            return self.products.jvp(tangents)
+        except RuntimeError as e:
+            raise self._unusable(e) from None
+
+    # -- the F(0) invariant ------------------------------------------------------------
+    def _F0_problems(self) -> list[str]:
+        """``[]`` when F at zero offsets is the model's own output (one plain forward, no
+        probe, same inputs and seed, grad enabled as in training), else one sentence."""
+        model, check = self.probe.model, "the F(0) check"
+        try:
+            with seeded(self.seed, self.device), restored(model), torch.enable_grad():
+                out = call_model(model, self.inputs, self.forward)
+                ref = pick_output(out, self.output, call=self.call).detach().reshape(-1)
+        except Exception as e:  # noqa: BLE001 - reported, not raised: the check cannot run
+            return [f"{check} could not run: the model's own forward raised {e!r}"]
+        F0 = self.F0
+        assert F0 is not None
+        if ref.shape != F0.shape:
+            return [
+                f"{check} failed: the probed forward gives {F0.numel()} numbers but the "
+                f"model's own output has {ref.numel()}; the probed function is not the model"
+            ]
+        if torch.equal(ref, F0):
+            return []
+        low = lowest_precision(self.dtypes)
+        tol = torch.finfo(low).eps ** 0.5
+        diff = (F0 - ref.to(F0.dtype)).abs().max()
+        rel = float(diff / ref.abs().max().to(F0.dtype).clamp_min(torch.finfo(F0.dtype).tiny))
+        if rel <= tol:
+            return []
+        return [
+            f"{check} failed: F at zero offsets differs from the model's own output by "
+            f"{rel:.3g} (max |difference| / max |output|, allowed {tol:.2g} = sqrt(eps) of "
+            f"{str(low).replace('torch.', '')}), so the probed function is not the model: "
+            "its forward branches on isinstance(p, nn.Parameter), reads a counter or other "
+            "state that changes between calls, or draws randomness the seed does not "
+            "control (e.g. attention dropout inside scaled_dot_product_attention, which "
+            "torch's math kernel draws differently from the fused one)"
+        ]
 
     # -- operators -----------------------------------------------------------------
     def masks(self, operators: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -197,17 +326,29 @@ class VisitJacobian:
         return [torch.cat([t.reshape(-1) for t in g]) for g in grads]
 
     def matvec(self, V: torch.Tensor, masks: torch.Tensor, chunk_size: int | None = None):
-        """``U_b v_b`` for every operator b: one vmapped JVP (``chunk_size=0``: a loop)."""
+        """``U_b v_b`` for every operator b: one vmapped JVP (``chunk_size=0``: a loop; a
+        loop of plain-autograd products where torch.func refuses the forward)."""
+        self.vjp_fn()
         with torch.no_grad():
-            if chunk_size == 0:
-                return torch.stack([self.jvp_one(v, m) for v, m in zip(V, masks, strict=True)])
-            return vmap(self.jvp_one, randomness="same", chunk_size=chunk_size)(V, masks)
+            if self.products is None:
+                try:
+                    return self._matvec_by_transforms(V, masks, chunk_size)
+                except RuntimeError as e:
+                    if transform_refusal(e) is None:
+                        raise
+                    self._to_autograd(e)
+            return torch.stack([self._autograd_jvp(v, m) for v, m in zip(V, masks, strict=True)])
+
+    def _matvec_by_transforms(self, V: torch.Tensor, masks: torch.Tensor, chunk_size: int | None):
+        if chunk_size == 0:
+            return torch.stack([self.jvp_one(v, m) for v, m in zip(V, masks, strict=True)])
+        return vmap(self.jvp_one, randomness="same", chunk_size=chunk_size)(V, masks)
 
     def rmatvec(self, U: torch.Tensor, masks: torch.Tensor, chunk_size: int | None = None):
         """``U_b^T u_b`` for every operator b, reusing one VJP graph (``chunk_size=0``: a loop)."""
         self.vjp_fn()
         with torch.no_grad():
-            if chunk_size == 0:
+            if chunk_size == 0 or self.products is not None:
                 return torch.stack([self.vjp_one(u, m) for u, m in zip(U, masks, strict=True)])
             return vmap(self.vjp_one, randomness="same", chunk_size=chunk_size)(U, masks)
 

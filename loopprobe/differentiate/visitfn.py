@@ -14,7 +14,10 @@ by visit of a shared parameter, and compose with any ``torch.func`` transform:
 ``F`` runs the model through loopprobe's one parameter-swap mechanism (the probe's
 session, made transform-safe: fused attention, checkpointing) under the same seed on
 every call, so dropout draws the same masks for every derivative. ``F.visits`` lists the
-visits in slot order. Reference: seed 002, Eq. 11 (per-visit offsets).
+visits in slot order. A forward that ``torch.func`` refuses (an old-style
+``autograd.Function``, ``requires_grad_()`` in the forward, ...) is one error naming what
+was refused and where; ``F`` itself then still works under plain ``torch.autograd``.
+Reference: seed 002, Eq. 11 (per-visit offsets).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loopprobe.autodiff import refused_at, transform_refusal
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Output, Visit
@@ -47,7 +51,20 @@ class VisitFunction:
             tuple(p + d for p, d in zip(phi, delta, strict=True))
             for phi, delta in zip(self._jac.primals, deltas, strict=True)
         ]
-        return self._jac.f(*values)
+        try:
+            return self._jac.f(*values)
+        except RuntimeError as e:
+            why = transform_refusal(e)
+            if why is None:
+                raise
+            raise RuntimeError(
+                f"visit_function: torch.func cannot transform this forward: {why}"
+                f"{refused_at(e, self._jac.probe.model)}. F itself works under plain "
+                "torch.autograd: pass offsets that require grad (d = [tuple(t.clone()."
+                "requires_grad_() for t in ts) for ts in d0]) and use torch.autograd.grad, "
+                "or lp.per_visit_updates / lp.sensitivity_norms, which fall back to plain "
+                f"torch.autograd themselves (torch: {str(e).splitlines()[0]})"
+            ) from None
 
 
 def visit_function(
