@@ -2,8 +2,12 @@
 
 :func:`round_map` builds the round map of a reference model (``model.step(h, x)`` with
 ``x = model.embed(idx)``), :func:`replay_round` that of any looped model from the recorded
-calls of one module. The private helpers below (state checks, ``linearize`` / ``TracedJVP``,
-``numpy_op``) are shared by :mod:`loopprobe.estimate.fixedpoint` (reachability, geometry) and
+calls of one module. Both check, when they build the map, that it is the model's round
+(the replayed call reproduces its recording; the call leaves the module's attributes as they
+were) and refuse with a ``ValueError`` otherwise: every estimate built on a map that is not
+the model's round would be a wrong number. The private helpers below (state checks,
+``linearize`` / ``TracedJVP``, ``numpy_op``) are shared by
+:mod:`loopprobe.estimate.fixedpoint` (reachability, geometry) and
 :mod:`loopprobe.estimate.implicit` (input-dependence). Reference: docs/definitions.md §4.
 """
 
@@ -21,6 +25,7 @@ import torch
 
 from loopprobe._checks import count as _count
 from loopprobe.autodiff import JVP
+from loopprobe.record.modulestate import IN_PLACE, Change, ModuleState
 
 Step = Callable[..., torch.Tensor]
 Map = Callable[[torch.Tensor], torch.Tensor]
@@ -33,13 +38,15 @@ class RoundMap:
     """One round of a model as a function: ``step(h, x)``, the input ``x``, start ``h0``, R.
 
     ``T(h)`` is the round at this input. Every call runs the model in eval mode and puts
-    each submodule's train/eval flag back afterwards.
+    each submodule's train/eval flag back afterwards. ``reason`` says what was checked when
+    the map was built (empty for a map written by hand).
     """
 
     step: Step
     x: torch.Tensor
     h0: torch.Tensor
     rounds: int | None
+    reason: str = ""
 
     def T(self, h: torch.Tensor) -> torch.Tensor:
         return self.step(h, self.x)
@@ -70,7 +77,38 @@ def round_map(model: torch.nn.Module, idx: torch.Tensor) -> RoundMap:
         with _eval_mode(model):
             return model.step(h, x)
 
-    return RoundMap(step, x, x, getattr(getattr(model, "cfg", None), "R", None))
+    reason = _check_pure_step(model, step, x)
+    return RoundMap(step, x, x, getattr(getattr(model, "cfg", None), "R", None), reason)
+
+
+def _check_pure_step(model: torch.nn.Module, step: Step, x: torch.Tensor) -> str:
+    """``model.step`` at ``h0`` twice: same output, no attribute of the model changed.
+
+    A step that keeps state between calls (a cache, a counter) is not a function of h, and
+    after the forward it reads the state the last round left, not round r's.
+    """
+    name = type(model).__name__
+    state = ModuleState(model, "model", clone=True)
+    try:
+        with torch.no_grad():
+            first, second = step(x, x), step(x, x)
+    finally:
+        changes = state.restore()
+    if changes:
+        raise ValueError(
+            f"round_map: {name}.step changes the model ({'; '.join(map(str, changes))}; put "
+            "back), so it keeps state between rounds and is not a function of h; pass that "
+            "state explicitly in your own step(h, x) and use fixed_point(step, h0, x=x)"
+        )
+    check_same("round_map", x, first)
+    diff = _rel_diff(second, first)
+    if not diff <= replay_tol(first.dtype):
+        raise ValueError(
+            f"round_map: {name}.step(h0, x) called twice gives outputs {diff:.3g} apart "
+            f"(relative; roundoff allows {replay_tol(first.dtype):.2g}), so it is not a "
+            "function of h (randomness in eval mode?); pass a deterministic step"
+        )
+    return f"{name}.step(h0, x) called twice: relative difference {diff:.2g}, model unchanged"
 
 
 def replay_round(
@@ -83,6 +121,7 @@ def replay_round(
     input_arg: int | str | None = None,
     round: int = 0,
     rtol: float = 1e-5,
+    replay_rtol: float | None = None,
 ) -> RoundMap:
     """The round map of any looped model, replayed from the recorded calls of one module.
 
@@ -99,12 +138,30 @@ def replay_round(
     input: it becomes ``x`` and ``step(h, x)`` substitutes it, so :func:`input_dependence`
     can differentiate through it; without it ``x`` is an empty tensor that ``step``
     ignores. ``h0`` is the state passed to the first call, ``rounds`` the number of calls.
+    The module attributes the recorded forward changed are put back afterwards.
+
+    The map is checked to be the model's round ``round``: the module is called once with
+    that call's recorded arguments and must reproduce its recorded output to
+    ``replay_rtol`` (relative, whole state; default :func:`replay_tol`, roundoff of a
+    nondeterministic kernel; bitwise equal in the normal case). A module that keeps state
+    between calls (a KV cache or memory of earlier repeats on ``self``, a step counter)
+    reads, after the forward, what the last round left, not what round ``round`` read;
+    it fails the check and ``replay_round`` raises ``ValueError`` with the relative
+    difference and the attributes the call changed, rather than return a map whose every
+    estimate would be a wrong number. A check call that writes into a tensor attribute in
+    place (a preallocated cache, a counter buffer) raises ``ValueError`` too. Every later call
+    of ``step`` puts back the attributes the check call rebound or whose lists/dicts it
+    changed (probing never changes the model).
     """
     from loopprobe.record.probe import Probe
 
     call = "replay_round"
-    with _eval_mode(model), Probe(model, sublayers=[module]) as probe:
-        calls = probe.record(inputs, forward=forward).visits
+    before = ModuleState(model, "", clone=True)
+    try:  # the forward itself may fill a cache or advance a counter: probing changes nothing
+        with _eval_mode(model), Probe(model, sublayers=[module]) as probe:
+            calls = probe.record(inputs, forward=forward).visits
+    finally:
+        before.restore()
     if not calls:
         raise ValueError(f"{call}: module {module!r} was never called on these inputs")
     _count(call, "round", round, 0)
@@ -122,16 +179,87 @@ def replay_round(
     mod = model.get_submodule(rec.module)
     x = _replay_arg(call, rec.args, rec.kwargs, input_arg) if input_arg is not None else None
 
-    def step(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    watched: list[Change] | None = None  # None for the check call: watch everything
+
+    def run(h: torch.Tensor, x: torch.Tensor) -> tuple[object, list]:
         args, kwargs = list(rec.args), dict(rec.kwargs)
         _put(args, kwargs, state_arg, h)
         if input_arg is not None:
             _put(args, kwargs, input_arg, x)
-        with _eval_mode(model):
-            return _state_of(mod(*args, **kwargs))
+        state = ModuleState(mod, rec.module, clone=watched is None, only=watched)
+        try:
+            with _eval_mode(model):
+                out = _state_of(mod(*args, **kwargs))
+        finally:
+            changes = state.restore()
+        return out, changes
 
+    def step(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out, changes = run(h, x)
+        if any(not c.restored for c in changes):
+            raise ValueError(_in_place(call, module, changes))
+        return out
+
+    with torch.set_grad_enabled(rec.grad_enabled):
+        out, changes = run(states[round], x)
+    reason = _check_replay(call, module, round, out, _state_of(rec.output), changes, replay_rtol)
+    watched = changes  # every later call puts back what this one changed
     empty = states[0].new_zeros(0)
-    return RoundMap(step, empty if x is None else x, states[0], len(calls))
+    return RoundMap(step, empty if x is None else x, states[0], len(calls), reason)
+
+
+def replay_tol(dtype: torch.dtype) -> float:
+    """Relative difference roundoff can put between two runs of one call: 64 eps (32/64-bit
+    floats; a nondeterministic reduction reorders a few sums), 4 eps for 16-bit floats."""
+    eps = torch.finfo(dtype).eps
+    return (64 if eps < 1e-6 else 4) * eps
+
+
+def _rel_diff(a: object, b: torch.Tensor) -> float:
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+        return math.inf
+    a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    return 0.0 if torch.equal(a, b) else rel(a - b, b)
+
+
+def _check_replay(call, module, r, out, recorded, changes, rtol) -> str:
+    """The replayed call ``r`` against its recording; the reason, or ``ValueError``."""
+    if any(c.how == IN_PLACE for c in changes):  # later calls could not put it back
+        raise ValueError(_in_place(call, module, changes))
+    if not isinstance(recorded, torch.Tensor):
+        raise ValueError(
+            f"{call}: call {r} of {module!r} returned {type(recorded).__name__}, not a state "
+            "tensor (or a (state, extras) tuple); name the module whose output is the state"
+        )
+    tol = replay_tol(recorded.dtype) if rtol is None else rtol
+    check_positive(call, "replay_rtol", tol)
+    diff = _rel_diff(out, recorded)
+    kept = f"; the call changes {'; '.join(map(str, changes))}" if changes else ""
+    if not diff <= tol:
+        raise ValueError(
+            f"{call}: replaying call {r} of {module!r} with its recorded arguments does not "
+            f"reproduce its recorded output (relative difference {diff:.3g} > replay_rtol "
+            f"{tol:.2g}){kept}. The module keeps state between calls (a cache, a memory, a "
+            f"step counter on self?) or is random in eval mode, so the replay is not round {r} "
+            "of the model and every estimate on it would be wrong. Write the round as a "
+            "function step(h, x) that takes that state explicitly and use it directly "
+            "(lp.fixed_point(step, h0, x=x), lp.RoundMap(step=step, x=x, h0=h0, rounds=R))"
+        )
+    if changes:
+        kept = f"; it changes {'; '.join(map(str, changes))}, put back after every call"
+    return (
+        f"replayed call {r} of {module!r} reproduces its recorded output (relative difference "
+        f"{diff:.2g} <= replay_rtol {tol:.2g}){kept}"
+    )
+
+
+def _in_place(call: str, module: str, changes: list) -> str:
+    lost = "; ".join(str(c) for c in changes if c.how == IN_PLACE)
+    return (
+        f"{call}: calling {module!r} writes into tensors it holds in place ({lost}), so "
+        "replaying it would change your model (a preallocated cache or a counter buffer?); "
+        "write the round as a function step(h, x) that takes that state explicitly"
+    )
 
 
 def _put(args: list, kwargs: dict, where: int | str, value: torch.Tensor) -> None:
