@@ -87,16 +87,30 @@ def _call_text(spec: str, args: tuple) -> str:
     return f"{spec.partition(':')[2]}({', '.join(shown)})"
 
 
+#: how :func:`to_jsonable` writes the floats strict JSON has no literal for (RFC 8259);
+#: the spellings of protobuf's JSON mapping, which ``float()`` reads back in Python
+NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
 def to_jsonable(obj: Any) -> Any:
-    """Convert numpy/torch scalars, NaN and nested containers to plain JSON values."""
+    """Plain, strict JSON values: numpy/torch scalars and arrays become numbers and lists,
+    NaN, inf and -inf the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
+
+    Strings, not ``null``, so that an undefined quantity (NaN), an overflow (inf) and a
+    missing value (``None``) stay distinct; strings, not the bare tokens ``NaN``/``Infinity``
+    that Python's ``json`` writes by default, so that every JSON reader (jq, JavaScript,
+    Go, serde) accepts the output. ``float(value)`` reads either kind back.
+    """
     if isinstance(obj, dict):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_jsonable(v) for v in obj]
     if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
         obj = obj.item()
+    elif hasattr(obj, "tolist") and callable(obj.tolist) and getattr(obj, "ndim", 0) > 0:
+        return to_jsonable(obj.tolist())  # numpy arrays, tensors
     if isinstance(obj, float) and not math.isfinite(obj):
-        return None
+        return NONFINITE[repr(float(obj))]
     return obj
 
 

@@ -7,9 +7,17 @@ Every command also gets ``--threads`` and ``--debug`` (added here) and runs with
 current directory on ``sys.path`` (as ``python -m`` does), so ``--model mymodel:make``
 finds ``./mymodel.py``.
 
-Errors: bad arguments and errors a user can fix (``ValueError``/``TypeError``, also those
-raised by the user's factory, inputs or loss functions) are one line on stderr and exit
-code 2; any other failure is one line and exit code 1. ``--debug`` shows the traceback.
+Output: with ``--json`` stdout is exactly one JSON object (strict JSON: NaN and inf are
+the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``); whatever else is printed while the
+command runs (the user's factory or forward) goes to stderr.
+
+Exit codes: 0 when the command produced its result, also a result whose estimates did not
+converge (it says ``converged: NO: <reason>``; JSON ``"converged": false`` and ``reason``).
+Bad arguments and errors a user can fix (``ValueError``/``TypeError``, also those raised by
+the user's factory, inputs or loss functions) are one line on stderr and exit code 2. An
+exception raised inside the model's own code while it runs (its ``forward``, or a method
+such as ``embed``) is one line naming it as the model's, with file and line, and exit code
+1; so is any other failure. ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from typing import NoReturn
 
 import loopprobe
 from loopprobe._io import cwd_on_path
+from loopprobe.cli._common import json_only_on_stdout, model_frame, where
 
 THREADS_HELP = (
     "torch intra-op threads. Default: 1 for models below {threshold:.0e} parameter-tokens "
@@ -99,31 +108,41 @@ def main(argv: list[str] | None = None) -> int:
         previous = args.torch_default_threads = torch.get_num_threads()
         torch.set_num_threads(args.threads_used)  # commands raise it for large models
     try:
-        with cwd_on_path():
+        with cwd_on_path(), json_only_on_stdout(bool(getattr(args, "json", False))):
             return int(args.func(args) or 0)
     except BrokenPipeError:  # e.g. `loopprobe theory ... | head`: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 1
-    except (ValueError, TypeError) as err:
-        if args.debug:
-            raise
-        print(f"loopprobe {args.command}: error: {_one_line(err)}", file=sys.stderr)
-        return 2
     except Exception as err:  # noqa: BLE001 - one line; the traceback with --debug
         if args.debug:
             raise
-        print(
-            f"loopprobe {args.command}: error: {type(err).__name__}: {_one_line(err)} "
-            "(run again with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+        return _report_error(args.command, err)
     finally:
         if previous is not None:
             import torch
 
             torch.set_num_threads(previous)
+
+
+def _report_error(command: str, err: Exception) -> int:
+    """One line on stderr; the exit code: 1 for the model's own error, 2 for bad input."""
+    site = model_frame(err)
+    if site is not None:
+        message = (
+            f"the model raised {type(err).__name__} in its own code ({where(*site)}): "
+            f"{_one_line(err)} (run again with --debug for the traceback)"
+        )
+        code = 1
+    elif isinstance(err, (ValueError, TypeError)):
+        message, code = _one_line(err), 2
+    else:
+        message = (
+            f"{type(err).__name__}: {_one_line(err)} (run again with --debug for the traceback)"
+        )
+        code = 1
+    print(f"loopprobe {command}: error: {message}", file=sys.stderr)
+    return code
 
 
 def _one_line(err: BaseException) -> str:

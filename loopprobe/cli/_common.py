@@ -1,10 +1,15 @@
-"""Helpers shared by the subcommands: list parsing, tables, JSON output, thread choice."""
+"""Helpers shared by the subcommands: list parsing, tables, JSON output, thread choice,
+and telling an error raised inside the user's model from one raised by loopprobe."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TextIO
 
 from loopprobe._io import to_jsonable
 
@@ -88,8 +93,33 @@ def apply_threads(args: Any, work: float | None) -> int:
     return n
 
 
+#: where :func:`print_json` writes while :func:`json_only_on_stdout` holds stdout for it
+_RESULT_STREAMS: list[TextIO] = []
+
+
+@contextlib.contextmanager
+def json_only_on_stdout(enabled: bool = True) -> Iterator[None]:
+    """For ``--json``: while the command runs, everything printed to ``sys.stdout`` (the
+    user's factory or forward, a library's progress line) goes to stderr, and only
+    :func:`print_json` writes to the real stdout, so stdout is exactly one JSON object.
+
+    Python-level: output that C code writes to file descriptor 1 itself is not moved.
+    """
+    if not enabled:
+        yield
+        return
+    _RESULT_STREAMS.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _RESULT_STREAMS.pop()
+
+
 def print_json(obj: Any) -> None:
-    print(json.dumps(to_jsonable(obj), indent=2))
+    """``obj`` as strict JSON (NaN and inf as strings, see :func:`to_jsonable`) on stdout."""
+    out = _RESULT_STREAMS[-1] if _RESULT_STREAMS else sys.stdout
+    print(json.dumps(to_jsonable(obj), indent=2, allow_nan=False), file=out, flush=True)
 
 
 def emit(report: dict, as_json: bool, format_text: Callable[[dict], str]) -> int:
@@ -124,3 +154,46 @@ def reference_work(d_model: int, seq_len: int, batch: int, blocks: int, vocab: i
     """Parameter-tokens of a reference LoopedGPT with ``blocks`` physical blocks (12 d^2
     each: attention 4 d^2, MLP 8 d^2) plus embedding and head."""
     return float((12 * d_model**2 * blocks + 2 * vocab * d_model) * seq_len * batch)
+
+
+# --------------------------------------------------------------------------- whose error
+
+
+def model_frame(err: BaseException) -> tuple[FrameType, int] | None:
+    """The frame and line in the model's own code where ``err`` was raised, or ``None`` when
+    it was not raised inside the model.
+
+    Inside the model: below loopprobe's last frame on the traceback (a hook loopprobe put
+    on the model raising is loopprobe's error) there is a method of an ``nn.Module``: its
+    ``forward``, or any method defined outside torch (``embed``, ``step``). The reported
+    frame is the deepest of those outside torch (the user's line), else the deepest. A
+    call that fails while binding its arguments (``model(dict)`` for a keyword-only
+    forward) never enters the model: that is bad input, not the model's error.
+    """
+    nn = sys.modules.get("torch.nn")
+    if nn is None:  # torch never loaded: no model ran
+        return None
+    import loopprobe
+
+    root = os.path.dirname(os.path.abspath(loopprobe.__file__)) + os.sep
+    torch_root = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
+    found: list[tuple[FrameType, int, bool]] = []
+    tb = err.__traceback__
+    while tb is not None:
+        frame, file = tb.tb_frame, os.path.abspath(tb.tb_frame.f_code.co_filename)
+        ours = file.startswith(root) and not file.startswith(root + "models" + os.sep)
+        if ours:
+            found = []  # whatever ran the model before loopprobe's last frame is not the raiser
+        elif isinstance(frame.f_locals.get("self"), nn.Module):
+            in_torch = file.startswith(torch_root)
+            if frame.f_code.co_name == "forward" or not in_torch:
+                found.append((frame, tb.tb_lineno, in_torch))
+        tb = tb.tb_next
+    user = [f for f in found if not f[2]] or found
+    return (user[-1][0], user[-1][1]) if user else None
+
+
+def where(frame: FrameType, line: int) -> str:
+    """``file.py:17, Model.forward``: a frame as a user finds it in their code."""
+    owner = type(frame.f_locals.get("self")).__name__
+    return f"{os.path.basename(frame.f_code.co_filename)}:{line}, {owner}.{frame.f_code.co_name}"

@@ -18,7 +18,7 @@ from torch import nn
 
 from loopprobe import tasks
 from loopprobe._io import call_user, load_model, load_object
-from loopprobe.cli._common import DefaultOutput, model_loss
+from loopprobe.cli._common import DefaultOutput, model_frame, model_loss
 from loopprobe.models import GPTConfig, LoopedGPT
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -36,13 +36,19 @@ class Target:
     alpha: float | None
     beta: float | None
     forward: Callable[[nn.Module, Any], Any] | None = None
+    output_spec: str | None = None
 
     def describe_output(self) -> str | None:
-        """What F was (known after a probe when the default picker chose it)."""
+        """Which tensor F is: ``--output``'s, the reference model's logits, or what the
+        default picker chose (known after a probe; ``None`` before)."""
+        if self.output_spec is not None:
+            return f"the tensor --output {self.output_spec} returns from the model output"
         if isinstance(self.output, DefaultOutput):
             if self.output.picked is None:
                 return None
             return f"{self.output.picked} (default; pass --output to pick another tensor)"
+        if self.output is None:  # only the reference model has no picker
+            return "the model output (the reference LoopedGPT's logits)"
         return None
 
     def describe_loss(self) -> str:
@@ -102,7 +108,8 @@ def build_target(args: argparse.Namespace, R: int | None) -> Target:
     inputs, loss_fn, loss_name = _inputs_and_loss(args, model, cfg, output)
     alpha = args.alpha if args.alpha is not None else getattr(cfg, "alpha", None)
     beta = args.beta if args.beta is not None else getattr(cfg, "beta", None)
-    return Target(model, inputs, loss_fn, output, loss_name, alpha, beta, forward)
+    spec = args.output if args.model is not None else None
+    return Target(model, inputs, loss_fn, output, loss_name, alpha, beta, forward, spec)
 
 
 def _inputs_and_loss(args: argparse.Namespace, model: nn.Module, cfg: Any, output: Any) -> tuple:
@@ -151,11 +158,13 @@ def _fallback_loss(pick: Callable[[Any], torch.Tensor], targets: Any) -> tuple:
 
 @contextlib.contextmanager
 def call_hint(target: Target) -> Iterator[None]:
-    """A model fed a dict without ``--forward`` that fails: say how to call it instead."""
+    """A model fed a dict without ``--forward`` that fails to take it: say how to call it
+    instead. An error raised inside the model's code is its own and passes unchanged."""
     try:
         yield
     except Exception as err:
-        if target.forward is None and isinstance(target.inputs, dict):
+        inside = model_frame(err) is not None
+        if target.forward is None and isinstance(target.inputs, dict) and not inside:
             raise ValueError(
                 f"calling the model with the dict from --inputs as model(inputs) raised "
                 f"{type(err).__name__}: {err}; pass --forward package.module:fn with "

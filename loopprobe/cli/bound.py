@@ -220,6 +220,8 @@ def format_report(report: dict) -> str:
         + ("the looped sublayers" if report["scope"] == "looped" else "every parameter")
         + f"; loss: {report['loss_fn']}",
     ]
+    if report.get("F"):
+        lines.append(f"F: {report['F']}")
     head = ["R", "M_g", "kappa_R", "beta/alpha", "dF/F (JVP)", "dF/F (true)", "M_g k (b/a)^2", "C"]
     rows = [
         [

@@ -20,6 +20,12 @@ Face ``ModelOutput`` and similar; the report says which); ``--loss package.modul
 one, else cross-entropy on random targets for models with ``cfg.vocab_size``, else
 ``0.5 * mean(F^2)``).
 
+Exit code 0 also when an estimate did not converge: the text ends ``converged: NO:
+<reason>`` (``(raise --max-iter)`` added when an iteration limit was hit), the JSON has
+``"converged": false`` and the ``reason``; kappa_R is then not a measurement. Every
+sublayer record carries its ``role`` (``body``, ``head``, ``norm``, ``embedding``,
+``other``; kappa_R is over ``body``).
+
 The helpers here (target construction, shared arguments) also serve ``loopprobe bound``.
 Reference: seed 002, Eq. 12 (kappa_j), Eq. 17-18 (M, M_g).
 """
@@ -35,6 +41,7 @@ NORMS = ("pre", "post", "deepnorm", "deeploop")
 DTYPES = ("float32", "float64")
 SUBLAYER_KEYS = (
     "sublayer",
+    "role",
     "j",
     "R",
     "R_g",
@@ -300,7 +307,8 @@ def format_report(report: dict) -> str:
     if report["converged"]:
         lines.append("converged: yes (every norm estimate converged; every kappa_j in [0, R_j])")
     else:
-        lines.append(f"converged: NO: {report['reason']} (raise --max-iter)")
+        hint = " (raise --max-iter)" if "not converged" in report["reason"] else ""
+        lines.append(f"converged: NO: {report['reason']}{hint}")
     return "\n".join(lines)
 
 
