@@ -38,7 +38,11 @@ inside it (its parameters include that group's): the pass is reused, the loop is
 - ``body``: the group chains (it is the recurrence);
 - ``norm``: a normalisation class (``LayerNorm``, ``RMSNorm``, ``GroupNorm``, batch and
   instance norms, or a class name containing ``Norm``): e.g. a final norm applied after
-  the loop and again after a coda;
+  the loop and again after a coda. Such a norm chains when the coda reads the normed
+  state (``h = norm(loop(h)); h = norm(coda(h))``), so a norm group that chains is
+  ``body`` only when some pair of its visits chains *through a visit of the loop* (a
+  chaining group of another class): a norm looped with the blocks does, the final norm
+  does not. A norm inside a block is part of the block's group anyway;
 - ``embedding``: an ``Embedding`` class (or ``Embed`` in the class name), or visits that
   read no body visit (step conditioning, input injection: computed from the inputs alone);
 - ``head``: reads body visits, and no later body visit reads it (a per-loop read-out);
@@ -52,9 +56,13 @@ twice in a row and b never does (HRM: L L H L L H, so L is nested in H with 2 st
 H visit; siblings of one loop alternate: L0 L1 L0 L1). Of the sublayers a runs inside,
 those visited most often form the innermost enclosing loop, which is reported.
 
-**Partial ties** (:func:`partial_ties`): two modules of one class whose own parameters
-are partly the same objects (``q.weight`` tied, ``q.bias`` not) are how silently broken
-weight tying looks; the probe warns about them.
+**Partial ties** (:func:`partial_ties`): two modules of one class whose parameters,
+counted recursively, are partly the same objects (``q.weight`` tied, ``q.bias`` not; or
+blocks that share their ``mlp`` but not their ``attn``) are how silently broken weight
+tying looks. The probe warns, and the sublayer that is the shared part says so in its
+``note`` (and the ``note`` column of the visit table): its kappa is over the shared part,
+not over the whole module. Per-layer norms around a shared mixer (ALBERT-style) are not
+reported; a shared block next to per-layer adapters (Zamba) is, and is intended there.
 """
 
 from __future__ import annotations
@@ -277,13 +285,51 @@ def find_sublayers(calls: Sequence[Call]) -> list[Found]:
     chosen.sort(key=lambda k: tops[k][0])
     known = all(c.reads is not None for c in calls)
     body = [k for k in chosen if chained[k] and known]
+    loop = [k for k in body if not _is_norm(calls[tops[k][0]].cls)]
+    loop_bits = sum(1 << c for k in loop for c in tops[k])
+    outside = {k: _chains_outside(calls, tops[k], loop_bits) for k in body if k not in loop}
+    outside = outside if loop else {}
+    body = [k for k in body if not outside.get(k)]
     body_bits = sum(1 << c for k in body for c in tops[k])
     found = []
     for k in chosen:
+        if outside.get(k):
+            n = chain_count(calls, tops[k])
+            found.append(
+                Found(
+                    _names(calls, tops[k]),
+                    "norm",
+                    _NORM_OUTSIDE.format(
+                        n=n, m=len(tops[k]) - 1, cls=calls[tops[k][0]].cls.__name__
+                    ),
+                )
+            )
+            continue
         role, reason = _role(calls, tops[k], chained[k] and known, body_bits, bool(body), known)
-        names = tuple(dict.fromkeys(calls[c].name for c in tops[k]))
-        found.append(Found(names, role, reason))
+        found.append(Found(_names(calls, tops[k]), role, reason))
     return found
+
+
+_NORM_OUTSIDE = (
+    "visits chain ({n} of {m} pairs) but never through a visit of the loop; {cls} is a "
+    "normalisation (e.g. a final norm applied after the loop and again after a coda)"
+)
+
+
+def _names(calls: Sequence[Call], visits: list[int]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(calls[c].name for c in visits))
+
+
+def _chains_outside(calls: Sequence[Call], visits: list[int], loop_bits: int) -> bool:
+    """No chaining pair (a, b) of ``visits`` runs through a loop visit v (b reads v, v
+    reads a): the data path from one visit to the next skips the loop (a coda)."""
+    for a, b in zip(visits, visits[1:], strict=False):
+        if not calls[b].reads >> a & 1:
+            continue
+        through = calls[b].reads & loop_bits & ~((1 << (a + 1)) - 1)
+        if any(through >> v & 1 and calls[v].reads >> a & 1 for v in range(a + 1, b)):
+            return False
+    return True
 
 
 def _role(
@@ -354,24 +400,63 @@ def _runs_inside(seq: Sequence[int], a: int, b: int) -> bool:
 
 
 def partial_ties(model: nn.Module) -> list[tuple[str, str, list[str], list[str]]]:
-    """Pairs of same-class modules whose own parameters are partly shared.
+    """Pairs of same-class modules whose parameters (all of them, recursively) are partly
+    the same objects: ``q.weight`` tied and ``q.bias`` not, or blocks that share their
+    ``mlp`` but not their ``attn``.
 
-    Returns ``(module a, module b, shared names, names not shared)`` per pair.
+    Returns ``(module a, module b, shared names, names not shared)`` per pair, names
+    relative to the modules, innermost pairs first (where the tie breaks).
     """
     owners = []
     for name, m in model.named_modules():
-        own = {pn: id(p) for pn, p in m._parameters.items() if p is not None}
-        if own:
-            owners.append((name, type(m), own))
+        params = {pn: id(p) for pn, p in m.named_parameters(remove_duplicate=False)}
+        if params:
+            owners.append((name, type(m), params, set(params.values())))
     out = []
-    for x, (na, ca, pa) in enumerate(owners):
-        for nb, cb, pb in owners[x + 1 :]:
-            if ca is not cb:
+    for x, (na, ca, pa, ia) in enumerate(owners):
+        for nb, cb, pb, ib in owners[x + 1 :]:
+            if ca is not cb or ia == ib or not ia & ib or nb.startswith(na + "."):
                 continue
-            shared = [pn for pn, i in pb.items() if i in pa.values()]
-            if shared and set(pa.values()) != set(pb.values()):
-                rest = [pn for pn in {**pa, **pb} if pn not in shared]
+            shared = [pn for pn, i in pb.items() if i in ia]
+            rest = [pn for pn, i in pa.items() if i not in ib]
+            rest += [pn for pn, i in pb.items() if i not in ia and pn not in rest]
+            if not _only_norms(model.get_submodule(na), model.get_submodule(nb), rest):
                 out.append((na, nb, shared, rest))
+    out.sort(key=lambda t: -t[0].count("."))  # stable: call order within a depth
+    return out
+
+
+def _only_norms(a: nn.Module, b: nn.Module, names: Sequence[str]) -> bool:
+    """Every name is a parameter of a normalisation submodule (per-layer norms around a
+    shared mixer are a design, ALBERT-style; a norm partly tied itself is not)."""
+
+    def owner(n: str) -> nn.Module | None:
+        for m in (a, b):
+            try:
+                return m.get_submodule(n.rpartition(".")[0]) if "." in n else m
+            except AttributeError:
+                continue
+        return None
+
+    owners = [owner(n) for n in names]
+    return all(o is not None and o is not a and o is not b and _is_norm(type(o)) for o in owners)
+
+
+def summarize(names: Sequence[str], among: Sequence[str]) -> list[str]:
+    """``names`` (dotted parameter names) shortened to submodule globs: ``mlp.*`` when
+    every name of ``among`` under ``mlp`` is in ``names``."""
+    keep = set(names)
+    out: list[str] = []
+    for n in names:
+        parts = n.split(".")
+        short = n
+        for k in range(1, len(parts)):
+            pre = ".".join(parts[:k]) + "."
+            if all(a in keep for a in among if a.startswith(pre)):
+                short = pre + "*"
+                break
+        if short not in out:
+            out.append(short)
     return out
 
 

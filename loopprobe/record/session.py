@@ -31,6 +31,23 @@ class Group:
     params: list[torch.Tensor]
     modules: list[nn.Module]
     places: list[list[tuple[nn.Module, str, int]]]
+    paths: tuple[tuple[str, nn.Module], ...] = ()  # (name in the model, module): see current
+
+    def current(self, model: nn.Module) -> bool:
+        """Still how ``model`` computes: each module and parameter owner at its name, each
+        owner holding these parameter objects (False after ``load_state_dict(...,
+        assign=True)`` or a replaced submodule). A few attribute lookups, no forward."""
+        for path, m in self.paths:
+            cur: nn.Module | None = model
+            for part in path.split(".") if path else ():
+                cur = cur._modules.get(part) if cur is not None else None
+            if cur is not m:
+                return False
+        return all(
+            owner._parameters.get(pname) is self.params[k]
+            for locs in self.places
+            for owner, pname, k in locs
+        )
 
     def owners(self, model: nn.Module) -> list[nn.Module]:
         """Every module in ``model`` that directly holds one of this group's parameters."""
@@ -42,7 +59,7 @@ class Group:
         ]
 
     def renumbered(self, j: int) -> Group:
-        return Group(replace(self.sublayer, index=j), self.params, self.modules, self.places)
+        return replace(self, sublayer=replace(self.sublayer, index=j))
 
 
 @contextmanager

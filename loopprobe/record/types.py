@@ -29,6 +29,8 @@ class Sublayer:
 
     ``role``: ``body`` (the loop), ``head``, ``norm``, ``embedding`` or ``other`` (reuse
     that is not recurrence); ``role_reason`` gives the evidence (see loopprobe.record.discover).
+    ``note``: what a number measured on this sublayer does not cover (empty when nothing),
+    e.g. that it is only the shared part of partly tied modules.
     """
 
     name: str
@@ -39,6 +41,7 @@ class Sublayer:
     numel: int
     role: str = "body"
     role_reason: str = "named by the user"
+    note: str = ""
 
 
 @dataclass(frozen=True)
