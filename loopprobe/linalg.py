@@ -17,16 +17,32 @@ MatVec = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class Estimate:
-    """The result of an iterative estimator, with the diagnostics needed to trust it."""
+    """The result of an iterative estimator, with the diagnostics needed to trust it.
+
+    ``residual`` is the certificate: the relative Ritz residual ``||A^T A v - s^2 v|| / s^2``
+    of the returned value ``s`` with its unit vector ``v``. Some eigenvalue of ``A^T A`` lies
+    within ``residual * s^2`` of ``s^2`` (so some singular value within about
+    ``residual / 2`` of ``s``, relative); not necessarily the top one: a start vector that
+    misses the top singular vector converges to another. ``converged`` is judged on it.
+    """
 
     value: float
     iterations: int
     converged: bool
     rel_change: float
     method: str = "power"
+    residual: float = float("nan")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def residual_tol(dtype: torch.dtype) -> float:
+    """The default bound on the relative Ritz residual: 1e-6 in float64, 1e-5 in float32,
+    1e-3 in half precision (whose estimates callers do not certify)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1e-3
+    return 1e-6 if dtype == torch.float64 else 1e-5
 
 
 def operator_norm(
@@ -36,6 +52,7 @@ def operator_norm(
     *,
     max_iter: int = 100,
     tol: float = 1e-10,
+    rtol: float | None = None,
     out: torch.Tensor | None = None,
     subset: bool = False,
 ) -> list[Estimate]:
@@ -47,10 +64,17 @@ def operator_norm(
     over JVPs); this loop only normalises and checks convergence.
 
     The estimate after each step is ``sigma = ||A v||`` with ``||v|| = 1``, a lower bound
-    on the true norm that increases monotonically. An operator counts as converged once
-    the relative change of ``sigma`` between two steps drops below ``tol``; operators
-    that never get there come back with ``converged=False``. ``out`` (shape of ``v0``), if
-    given, receives the last unit vector of each operator (its top right singular vector
+    on the true norm that increases monotonically. The relative change of ``sigma``
+    between two steps does not bound its error (with a top gap of 1e-5 it fell below
+    1e-10 at an error of 7e-6), so an operator stops only when it is below ``tol`` *and*
+    the Ritz residual ``r = A^T A v - sigma^2 v`` (the ``A^T`` product of the step, which
+    the next step needs anyway) has ``||r|| <= rtol * sigma^2`` (default
+    :func:`residual_tol`: 1e-6 in float64). That certifies that ``sigma^2`` is within
+    ``||r||`` of *some* eigenvalue of ``A^T A``, not necessarily the top one (a start
+    vector orthogonal to the top singular vector converges to another): the caveat of
+    Lanczos too. ``Estimate.residual`` is ``||r|| / sigma^2``; operators that never get
+    there come back with ``converged=False``. ``out`` (shape of ``v0``), if given,
+    receives the last unit vector of each operator (its top right singular vector
     estimate; a warm start for a later call). ``subset=True``: converged operators drop
     out of the batch (see :func:`operator_norm_krylov`).
 
@@ -63,10 +87,13 @@ def operator_norm(
         )
     if max_iter < 1:
         raise ValueError(f"operator_norm: max_iter must be >= 1, got {max_iter}")
+    rtol = residual_tol(v0.dtype) if rtol is None else rtol
     batch = v0.shape[0]
+    tiny = torch.finfo(v0.dtype).tiny
     v = _normalize(v0)
     sigma = torch.zeros(batch, dtype=v0.dtype, device=v0.device)
     rel = torch.full((batch,), float("inf"), dtype=v0.dtype, device=v0.device)
+    res = torch.full((batch,), float("inf"), dtype=v0.dtype, device=v0.device)
     done = torch.zeros(batch, dtype=torch.bool)
     iters = torch.full((batch,), max_iter, dtype=torch.long)
     act = torch.arange(batch)
@@ -75,22 +102,27 @@ def operator_norm(
         u = matvec(v[act], act) if full is None else full[act]
         new_sigma = u.flatten(1).norm(dim=1)
         old = sigma[act]
-        step_rel = (new_sigma - old).abs() / new_sigma.clamp_min(torch.finfo(v.dtype).tiny)
+        step_rel = (new_sigma - old).abs() / new_sigma.clamp_min(tiny)
         rel[act] = step_rel
         sigma[act] = new_sigma
-        newly = (step_rel < tol).cpu()
+        w = rmatvec(u, act) if full is None else rmatvec(full)[act]
+        theta = new_sigma.square()
+        r = (w - theta[:, None] * v[act]).flatten(1).norm(dim=1) / theta.clamp_min(tiny)
+        res[act] = r
+        newly = ((step_rel < tol) & (r <= rtol)).cpu()
         iters[act[newly]] = it
         done[act[newly]] = True
         if bool(done.all()):
             break
-        act, u = act[~newly], u[~newly]
-        w = rmatvec(u, act) if full is None else rmatvec(full)[act]
+        act, w = act[~newly], w[~newly]
         v = v.clone()
         v[act] = _normalize(w)
     if out is not None:
         out.copy_(v)
     return [
-        Estimate(float(sigma[b]), int(iters[b]), bool(done[b]), float(rel[b]), "power")
+        Estimate(
+            float(sigma[b]), int(iters[b]), bool(done[b]), float(rel[b]), "power", float(res[b])
+        )
         for b in range(batch)
     ]
 
@@ -104,6 +136,7 @@ def operator_norm_krylov(
     tol: float = 1e-10,
     out: torch.Tensor | None = None,
     subset: bool = False,
+    basis: int | None = None,
 ) -> list[Estimate]:
     """Spectral norm of a batch of operators by Lanczos on ``A^T A`` (batched, matrix-free).
 
@@ -121,12 +154,17 @@ def operator_norm_krylov(
     yet resolved from the first (a cluster narrower than ``r``) makes the Ritz gap far
     too large, and the estimate stopped up to the cluster width (10^4 x tol) off
     (tests/test_linalg.py).
-    ``rel_change`` is the last relative change of the estimate. ``out`` (shape of
+    ``rel_change`` is the last relative change of the estimate, ``residual`` the last
+    ``r / theta``. ``out`` (shape of
     ``v0``), if given, receives each operator's top Ritz vector (its top right singular
     vector estimate; a warm start for a later call). ``subset=True``: converged
     operators drop out of the batch; ``matvec(v, idx)`` and ``rmatvec(u, idx)`` then get
     the rows of the operators ``idx`` (a CPU ``LongTensor``) still running and return
-    theirs. Memory: ``max_iter`` vectors of shape ``(B, n)``.
+    theirs. Memory: ``basis`` vectors of shape ``(B, n)`` (default ``max_iter``, at least 2):
+    when the basis is full and an operator has not converged, it restarts from its top
+    Ritz vector with an empty basis (explicit restart; the total number of products is
+    still ``max_iter``). Each cycle's residual is that of its own Krylov space, so the
+    certificate is the same.
     """
     if v0.dim() != 2:
         raise ValueError(
@@ -134,58 +172,81 @@ def operator_norm_krylov(
         )
     if max_iter < 1:
         raise ValueError(f"operator_norm_krylov: max_iter must be >= 1, got {max_iter}")
+    if basis is not None and basis < 2:
+        raise ValueError(
+            f"operator_norm_krylov: basis={basis}; a restarted Lanczos needs at least 2 "
+            "vectors (with 1 it restarts from its own start vector); pass basis >= 2"
+        )
+    cap = max_iter if basis is None else min(basis, max_iter)
     B = v0.shape[0]
     tiny = torch.finfo(v0.dtype).tiny
     q = _normalize(v0)
-    basis: list[torch.Tensor] = []
-    alphas = torch.zeros(B, max_iter, dtype=torch.float64)
-    betas = torch.zeros(B, max_iter, dtype=torch.float64)
+    Q: list[torch.Tensor] = []  # this cycle's Krylov basis
+    alphas = torch.zeros(B, cap, dtype=torch.float64)
+    betas = torch.zeros(B, cap, dtype=torch.float64)
     sigma = torch.zeros(B, dtype=torch.float64)
     rel = torch.full((B,), float("inf"), dtype=torch.float64)
+    res = torch.full((B,), float("inf"), dtype=torch.float64)
     done = torch.zeros(B, dtype=torch.bool)
     iters = torch.full((B,), max_iter, dtype=torch.long)
     ritz: list[torch.Tensor] = [torch.ones(1, dtype=torch.float64)] * B
     act = torch.arange(B)
     for it in range(1, max_iter + 1):
-        basis.append(q)
+        Q.append(q)
+        m = len(Q)
         qa = q[act]
         w = rmatvec(matvec(qa, act), act) if subset else rmatvec(matvec(q))[act]
         a = (w * qa).sum(1)
         w = w - a[:, None] * qa
-        if it > 1:
-            w = w - betas[act, it - 2].to(w.dtype).to(w.device)[:, None] * basis[-2][act]
-        prior = [qi[act] for qi in basis]
+        if m > 1:
+            w = w - betas[act, m - 2].to(w.dtype).to(w.device)[:, None] * Q[-2][act]
+        prior = [qi[act] for qi in Q]
         for _ in range(2):  # full reorthogonalisation, twice is enough
             for qi in prior:
                 w = w - (w * qi).sum(1)[:, None] * qi
         b = w.norm(dim=1)
-        alphas[act, it - 1] = a.detach().double().cpu()
-        betas[act, it - 1] = b.detach().double().cpu()
+        alphas[act, m - 1] = a.detach().double().cpu()
+        betas[act, m - 1] = b.detach().double().cpu()
         newly = torch.zeros(B, dtype=torch.bool)
         for k in act.tolist():
-            theta, err, ritz[k] = _ritz(alphas[k, :it], betas[k, :it], tiny)
+            theta, err, ritz[k] = _ritz(alphas[k, :m], betas[k, :m], tiny)
             new = theta**0.5
             rel[k] = abs(new - float(sigma[k])) / max(new, tiny)
-            sigma[k] = new
-            exhausted = float(betas[k, it - 1]) <= 1e-12 * max(theta, tiny)
+            sigma[k], res[k] = new, err
+            exhausted = float(betas[k, m - 1]) <= 1e-12 * max(theta, tiny)
             newly[k] = err < tol or exhausted
         iters[newly] = it
         done |= newly
-        if bool(done.all()):
+        last = bool(done.all()) or it == max_iter
+        finished = newly if not last else (newly | ~done) & torch.isin(torch.arange(B), act)
+        if out is not None:  # while this cycle's basis still holds their Ritz vectors
+            for k in finished.nonzero().flatten().tolist():
+                out[k] = _combine(ritz[k], Q, k, v0)
+        if last:
             break
         keep = ~newly[act]
-        safe = b.clamp_min(tiny)[:, None]
+        act, w, b = act[keep], w[keep], b[keep]
         q = q.clone()
-        q[act] = torch.where((b > 0)[:, None], w / safe, torch.zeros_like(w))
-        act = act[keep]
-    if out is not None:
-        for k in range(B):
-            y = ritz[k].to(v0.dtype).to(v0.device)
-            out[k] = sum(y[i] * basis[i][k] for i in range(len(y)))
+        if m == cap:  # the basis is full: restart from the top Ritz vectors
+            Y = torch.stack([ritz[k] for k in act.tolist()]).to(v0.dtype).to(v0.device)
+            x = sum(Y[:, i, None] * Q[i][act] for i in range(m))
+            q[act] = _normalize(x)
+            Q = []
+        else:
+            safe = b.clamp_min(tiny)[:, None]
+            q[act] = torch.where((b > 0)[:, None], w / safe, torch.zeros_like(w))
     return [
-        Estimate(float(sigma[k]), int(iters[k]), bool(done[k]), float(rel[k]), "lanczos")
+        Estimate(
+            float(sigma[k]), int(iters[k]), bool(done[k]), float(rel[k]), "lanczos", float(res[k])
+        )
         for k in range(B)
     ]
+
+
+def _combine(y: torch.Tensor, Q: list[torch.Tensor], k: int, like: torch.Tensor) -> torch.Tensor:
+    """``sum_i y_i Q_i[k]``: operator k's Ritz vector from the basis of its cycle."""
+    y = y.to(like.dtype).to(like.device)
+    return sum(y[i] * Q[i][k] for i in range(len(y)))
 
 
 def _ritz(

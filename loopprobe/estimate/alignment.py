@@ -26,7 +26,7 @@ import torch
 
 from loopprobe._stats import cosine_matrix
 from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
-from loopprobe.estimate.updates import LossFn, Updates, per_visit_updates
+from loopprobe.estimate.updates import OUTSIDE_EPS, LossFn, Updates, per_visit_updates
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Output
 
@@ -57,9 +57,10 @@ class AlignmentReport:
     ``gram_G[name]``/``cos_G[name]``: visit Gram and cosine matrices of ``G_{.,j}``;
     ``gram_UTw``/``cos_UTw``: the same for ``U_{.,j}^T w``. ``M``/``M_g``: forward- and
     gradient-visible visits (measured). ``update`` says which effective update G is.
-    ``converged`` is True only when every U estimate converged and every kappa_j is a
-    number in ``[0, R_j]``; ``reason`` says what is not (a sublayer's ``kappa_ok`` column
-    marks its own kappa_j).
+    ``converged`` is True only when every U estimate converged, every kappa_j is a
+    number in ``[0, R_j]`` and ``sum_r G_{r,j}`` is the tied update of every sublayer kappa_R
+    uses (:func:`per_visit_updates` checks it; column ``G_outside_share``); ``reason`` says
+    what is not (a sublayer's ``kappa_ok`` column marks its own kappa_j).
     """
 
     kappa: float
@@ -138,7 +139,11 @@ def visit_alignment(
         chunk_size=chunk_size,
         start=start,
     )
-    return _report(ups, sens, {s.name: s.role for s in probe.sublayers()})
+    subs = probe.sublayers()
+    rep = _report(ups, sens, {s.name: s.role for s in subs})
+    notes = [f"{s.name}: {s.note}" for s in subs if s.note and s.role == "body"]
+    rep.kappa_note = "; ".join([rep.kappa_note, *notes] if rep.kappa_note else notes)
+    return rep
 
 
 def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> AlignmentReport:
@@ -189,6 +194,7 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
                 G_max=float(mine.G_norm.max()),
                 U_sum=float(mine.U_norm.sum()),
                 G_sum=float(mine.G_norm.sum()),
+                G_outside_share=ups.outside_share[j] if ups.outside_share else float("nan"),
                 tied_converged=tied_U.converged,
                 converged=bool(tied_U.converged and mine.converged.all()),
                 cos_G_adjacent=_adjacent(cos_G[name]) if name in cos_G else float("nan"),
@@ -211,6 +217,8 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
     counted = sub.kappa.notna() & (sub.R_g > 0) & in_R
     weighted = (sub.R_g * sub.kappa)[counted].sum()
     reasons = [sens.reason] if not sens.converged else []
+    bad_G = _updates_problem(ups, in_R)
+    notes = [ups.reason] if ups.reason and not bad_G else []  # checks that could not run
     return AlignmentReport(
         kappa=max(finite) if finite else float("nan"),
         sublayers=sub,
@@ -228,9 +236,20 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
         kappa_note=note,
         updates=ups,
         sensitivity=sens,
-        converged=not (reasons or problems),
-        reason="; ".join(reasons + problems),
+        converged=not (reasons or problems or bad_G),
+        reason="; ".join(reasons + bad_G + problems + notes),
     )
+
+
+def _updates_problem(ups: Updates, in_R: pd.Series) -> list[str]:
+    """The G check of :func:`per_visit_updates` (``sum_r G_{r,j}`` = tied update) failed for
+    a sublayer kappa_R uses: its ``||sum_r G||`` is not the tied update's norm. A sublayer
+    outside kappa_R (a head read out by ``F.linear``) is named in ``reason``, not fatal."""
+    if ups.converged or not ups.outside_share:
+        return []
+    tol = [OUTSIDE_EPS * torch.finfo(t.dtype).eps for t in ups.G_tied]
+    failed = [not s <= t for s, t in zip(ups.outside_share, tol, strict=True)]
+    return [ups.reason] if any(f and bool(in_R[j]) for j, f in enumerate(failed)) else []
 
 
 def _kappa_checks(sub: pd.DataFrame) -> tuple[list[bool], dict[int, str]]:

@@ -36,10 +36,11 @@ from loopprobe.record.types import Forward, Output, call_model, pick_output, see
 class BoundCheck:
     """Measured ``||Delta F|| / ||F||`` after one step vs ``M_g kappa_R (beta/alpha)^2``.
 
-    ``converged``/``reason`` carry the alignment report's (kappa_R from unconverged norms is
-    not a prediction) and flag a true change ``dF_true`` whose relative roundoff
-    ``dF_roundoff`` (about eps / dF_true: a difference of two nearly equal outputs) exceeds
-    1e-3; ``dF_first`` (one JVP) has no such cancellation. A lower-precision model whose
+    ``converged``/``reason`` carry the alignment report's (kappa_R from unconverged norms, or
+    from a G whose visit sum is not the tied gradient, is not a prediction; a check that could
+    not run is named in ``reason`` only) and flag a true change ``dF_true`` whose relative
+    roundoff ``dF_roundoff`` (about eps / dF_true: a difference of two nearly equal outputs)
+    exceeds 1e-3; ``dF_first`` (one JVP) has no such cancellation. A lower-precision model whose
     change is within 1000 eps of roundoff gets ``dF_true`` from a float64 copy of itself
     (up to 5e7 parameters), where the roundoff is controlled. ``prediction_M`` uses
     all forward visits M instead of M_g (they differ for truncated models, whose
@@ -159,6 +160,7 @@ def bound_check(
     prediction = M_g * report.kappa * (beta / alpha) ** 2
     roundoff = eps / dF_true if dF_true > 0 else float("inf")
     reasons = [report.reason] if not report.converged else []
+    notes = [report.reason] if report.converged and report.reason else []
     if roundoff > 1e-3:
         reasons.append(
             f"the true change dF/F = {dF_true:.3g} is a difference of two outputs in "
@@ -185,7 +187,7 @@ def bound_check(
         prediction_M=M * report.kappa * (beta / alpha) ** 2,
         dF_roundoff=roundoff,
         converged=not reasons,
-        reason="; ".join(reasons),
+        reason="; ".join(reasons + notes),
         report=report,
     )
 

@@ -1,11 +1,14 @@
-"""Per-visit sensitivities ``U_{r,j}``: operator norms of ``delta_{r,j} -> dF`` by power iteration.
+"""Per-visit sensitivities ``U_{r,j}``: operator norms of ``delta_{r,j} -> dF`` by Lanczos.
 
 ``U_{r,j}`` is the linear map from a perturbation of sublayer j's parameters at visit
 ``(r, j)`` alone to the change of the output F (the whole batch tensor, flattened); the
 tied map ``sum_r U_{r,j}`` perturbs every visit of j by the same vector. Its action on a
 direction is one JVP (``torch.func.jvp``), its transpose one VJP (``torch.func.vjp``),
-and ``||U||`` is the top singular value, found by power iteration on ``U^T U``
-(:func:`loopprobe.linalg.operator_norm`) or by Lanczos (``method="lanczos"``).
+and ``||U||`` is the top singular value, found by Lanczos on ``U^T U`` (the default;
+:func:`loopprobe.linalg.operator_norm_krylov`, restarted with a capped basis where a full
+one would not fit in memory) or by power iteration (``method="power"``,
+:func:`loopprobe.linalg.operator_norm`). Either way ``converged`` is judged on the Ritz
+residual of the returned value (``Estimate.residual``), not on how much it last changed.
 
 All operators (every visit and every tied sum) are estimated together: the function
 ``F(delta_1, ..., delta_M)`` is evaluated once unbatched (so data-dependent control flow
@@ -42,6 +45,10 @@ class Sensitivity:
     ``visits[k]`` and ``visit_norms[k]`` line up; ``tied_norms[j]`` is keyed by sublayer
     index. ``UTw[j]`` has one row ``U_{r,j}^T w`` per included visit of j, for a random unit
     output direction ``w`` (its Gram matrix shows how the visits read the output).
+    ``problems``: invariants of the evaluation of F that failed (from
+    :class:`~loopprobe.differentiate.jacobian.VisitJacobian`, e.g. F at zero offsets is not
+    the model's output); any makes the result not converged. ``basis``: the vectors one
+    Lanczos operator held (below ``max_iter``: restarted, :func:`lanczos_basis`).
     """
 
     visits: list[Visit]
@@ -55,6 +62,8 @@ class Sensitivity:
     precision: str = ""
     vectors: torch.Tensor | None = field(default=None, repr=False)
     keys: list[tuple[str, int]] = field(default_factory=list, repr=False)
+    problems: list[str] = field(default_factory=list)
+    basis: int = 0
 
     def start_vectors(self) -> dict[tuple[str, int], torch.Tensor]:
         """Each operator's top right singular vector estimate, keyed ``("visit", i)`` or
@@ -65,14 +74,19 @@ class Sensitivity:
 
     @property
     def converged(self) -> bool:
-        """Every operator-norm estimate (each visit and each tied sum) converged."""
+        """Every operator-norm estimate (each visit and each tied sum) converged (its residual
+        certificate holds) and no invariant of the evaluation of F failed."""
+        return not self.problems and self._norms_converged
+
+    @property
+    def _norms_converged(self) -> bool:
         return all(e.converged for e in (*self.visit_norms, *self.tied_norms.values()))
 
     @property
     def reason(self) -> str:
         """What did not converge, in words ("" when everything did)."""
-        if self.converged:
-            return ""
+        if self._norms_converged:
+            return "; ".join(self.problems)
         bad = [
             f"{v.sublayer} r={v.r}"
             for v, e in zip(self.visits, self.visit_norms, strict=True)
@@ -81,12 +95,15 @@ class Sensitivity:
         bad += [
             f"{self.sublayers[j]} (tied)" for j, e in self.tied_norms.items() if not e.converged
         ]
-        it = max(e.iterations for e in self.visit_norms)
+        ests = [*self.visit_norms, *self.tied_norms.values()]
+        it = max(e.iterations for e in ests)
+        worst = max((e.residual for e in ests if not e.converged), default=float("nan"))
         text = f"{len(bad)} operator-norm estimate(s) not converged after up to {it} iterations"
         text += f" ({self.method}): " + ", ".join(bad[:6]) + (" ..." if len(bad) > 6 else "")
+        text += f"; largest relative Ritz residual {worst:.2g}"
         if "not certified" in self.precision:
             text += f"; precision: {self.precision}"
-        return text
+        return "; ".join([text, *self.problems])
 
     def to_frame(self) -> pd.DataFrame:
         rows = []
@@ -102,6 +119,7 @@ class Sensitivity:
                     "converged": est.converged,
                     "iterations": est.iterations,
                     "rel_change": est.rel_change,
+                    "residual": est.residual,
                     "method": est.method,
                 }
             )
@@ -131,12 +149,13 @@ def sensitivity_norms(
 
     ``visits``: which visits carry an offset (default: the gradient-visible ones, measured
     with respect to F). Operators are estimated in one batch: ``method="auto"`` (the
-    default) picks Lanczos while one operator's basis fits in 1 GiB (:func:`choose_method`;
-    operators whose bases do not fit together run in groups, :func:`lanczos_group`), else
-    power iteration; ``method="power"`` by
+    default) is Lanczos (:func:`choose_method`; operators whose bases do not fit together in
+    1 GiB run in groups, :func:`lanczos_group`, and an operator whose own basis does not fit
+    restarts with a capped one, :func:`lanczos_basis`); ``method="power"`` by
     power iteration (``tol`` on the relative change of the estimate; default from the
     lowest precision the forward computes in: 1e-10 in float64, 1e-5 in float32, see
-    :func:`default_tol`), ``"lanczos"`` by
+    :func:`default_tol`; converged only once the Ritz residual, the Lanczos certificate,
+    is also below the Lanczos tolerance, or ``tol`` where that is looser), ``"lanczos"`` by
     Lanczos on ``U^T U`` (:func:`loopprobe.linalg.operator_norm_krylov`; ``tol`` on the
     relative Ritz residual, a bound on the error of ``||U||^2``: default 1e-6 in float64,
     1e-5 in float32; far fewer iterations when the top singular values are close, memory
@@ -183,6 +202,7 @@ def sensitivity_norms(
     masks = jac.masks(ops)
     if method == "auto":
         method = choose_method(jac.n_max, max_iter, jac.dtype)
+    basis = lanczos_basis(jac.n_max, max_iter, jac.dtype) if method == "lanczos" else 0
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     jac.vjp_fn()
     assert jac.F0 is not None
@@ -200,7 +220,7 @@ def sensitivity_norms(
         group = lanczos_group(len(ops), jac.n_max, max_iter, jac.dtype)
     estimate = partial(
         _estimate, jac, method=method, max_iter=max_iter, tol=tol, chunk_size=chunk_size,
-        call=call, ranks=ranks,
+        call=call, ranks=ranks, basis=basis,
     )  # fmt: skip
 
     def run(rows: list[int]) -> list[Estimate]:  # in groups whose Krylov bases fit
@@ -237,9 +257,11 @@ def sensitivity_norms(
         if v.j not in tied and sum(w.j == v.j for w in visits) == 1:
             tied[v.j] = visit_norms[k]
     F_norm, mode = float(F_norm), jac.jvp.mode
+    problems = list(getattr(jac, "problems", []))  # invariants of F that failed
     return Sensitivity(
-        visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys
-    )
+        visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys,
+        problems, basis,
+    )  # fmt: skip
 
 
 def _operators(visits: Sequence[Visit]) -> tuple[list[list[int]], list[tuple[str, int]]]:
@@ -259,18 +281,32 @@ LANCZOS_BYTES = 2**30
 
 
 def choose_method(n: int, max_iter: int, dtype: torch.dtype) -> str:
-    """``"lanczos"`` while one operator's Krylov basis (``max_iter x n`` numbers) fits in
-    ``LANCZOS_BYTES`` (1 GiB), else ``"power"`` (two vectors per operator). Operators whose
-    bases do not fit together run in groups (:func:`lanczos_group`). On the reference models
-    Lanczos converges in 17-35 iterations where power iteration has not after 100 (README)."""
-    return "lanczos" if _basis_bytes(n, max_iter, dtype) <= LANCZOS_BYTES else "power"
+    """``"lanczos"`` at every size: operators whose bases do not fit in ``LANCZOS_BYTES``
+    (1 GiB) together run in groups (:func:`lanczos_group`), and one whose own basis
+    (``max_iter x n`` numbers) does not fit restarts with the basis that does
+    (:func:`lanczos_basis`). Power iteration only when asked for (``method="power"``): on
+    the reference models Lanczos converges in 17-35 iterations where power iteration has
+    not after 100 (README), and power's stopping rule needs a residual check to be
+    trusted (:func:`loopprobe.linalg.operator_norm`)."""
+    return "lanczos"
+
+
+def lanczos_basis(n: int, max_iter: int, dtype: torch.dtype) -> int:
+    """How many vectors one Lanczos operator holds: ``max_iter`` while they fit in
+    ``LANCZOS_BYTES``, else as many as fit (at least 2); below ``max_iter`` the operator
+    restarts from its top Ritz vector each time its basis is full
+    (:func:`loopprobe.linalg.operator_norm_krylov`)."""
+    fit = LANCZOS_BYTES // _basis_bytes(n, 1, dtype)
+    return int(max(2, min(max_iter, fit)))
 
 
 def lanczos_group(operators: int, n: int, max_iter: int, dtype: torch.dtype) -> int:
     """How many operators one Lanczos run carries: as many as have their bases
-    (``max_iter x n`` numbers each) in ``LANCZOS_BYTES`` together, at least 1. The groups
-    run one after another; each product still batches its group's operators."""
-    return max(1, min(operators, LANCZOS_BYTES // _basis_bytes(n, max_iter, dtype)))
+    (``max_iter x n`` numbers each, or the capped :func:`lanczos_basis`) in ``LANCZOS_BYTES``
+    together, at least 1. The groups run one after another; each product still batches
+    its group's operators."""
+    basis = lanczos_basis(n, max_iter, dtype)
+    return max(1, min(operators, LANCZOS_BYTES // _basis_bytes(n, basis, dtype)))
 
 
 def _basis_bytes(n: int, max_iter: int, dtype: torch.dtype) -> int:
@@ -387,7 +423,7 @@ def _warm_vectors(start, keys, n_max, call) -> dict:
 
 
 def _estimate(
-    jac, masks, v0, vectors, rows, *, method, max_iter, tol, chunk_size, call, ranks=None
+    jac, masks, v0, vectors, rows, *, method, max_iter, tol, chunk_size, call, ranks=None, basis=0
 ) -> list[Estimate]:
     """Estimates for the operators ``rows`` (their masks and start vectors given); their top
     vectors land in ``vectors[rows]``. With ``ranks`` the operator is the global batch's: its
@@ -434,10 +470,14 @@ def _estimate(
             )
         return w
 
+    rtol = default_tol(low, "lanczos")  # the residual certificate, for both methods
     if tol is None:
         tol = default_tol(low, method)
-    solver = operator_norm if method == "power" else operator_norm_krylov
     out = torch.empty_like(v0)
-    ests = solver(matvec, rmatvec, v0, max_iter=max_iter, tol=tol, out=out, subset=True)
+    kw = {"max_iter": max_iter, "out": out, "subset": True}
+    if method == "power":  # the residual bound at the Lanczos tolerance, or tol if looser
+        ests = operator_norm(matvec, rmatvec, v0, tol=tol, rtol=max(tol, rtol), **kw)
+    else:
+        ests = operator_norm_krylov(matvec, rmatvec, v0, tol=tol, basis=basis or None, **kw)
     vectors[rows] = out
     return ests

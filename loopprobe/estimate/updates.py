@@ -16,6 +16,14 @@ from the optimizer state updated by the tied gradient (a fresh optimizer: ``t = 
 ``c = 1``, ``v_hat = g^2``). Then ``sum_r G_eff_{r,j}`` is exactly the new-gradient
 part of the step; the momentum history (absent for a fresh optimizer) is reported as a
 norm, not split over visits. ``Updates.method`` says which rule was used.
+
+``sum_r G_{r,j} = tied gradient`` is checked on every call, in the same backward pass: the
+gradient is taken with respect to the per-visit leaves *and* the sublayer's own
+parameters, which (the leaves standing in for them inside every visit) receive only what
+is read outside the visits: a tied read-out ``F.linear(h, block.weight)``, a parameter
+read in the parent's forward or in ``loss_fn``. ``Updates.outside_share[j]`` is that
+part's share of the true tied (effective) update; above ``OUTSIDE_EPS`` eps of the dtype
+the result is ``converged=False`` and ``reason`` names the sublayer and the share.
 Reference: seed 002, Eq. 11-12 (``G_{r,j}``) and docs/definitions.md §2.
 """
 
@@ -44,7 +52,13 @@ class Updates:
     ``grad[j]`` is the raw ``d loss / d delta``.
     ``history_norm[j]`` is the norm of the optimizer-momentum part of the next step.
     With ``memory="low"`` only ``G_norms[j]`` (R_j,) and ``G_tied[j]`` (n_j,) are kept and
-    ``G``/``grad`` are ``None``.
+    ``G``/``grad`` are ``None``. ``outside_share[j]`` is ``||P g_out|| / ||P g_tied||``: the
+    share of the true tied (effective, ``P`` the preconditioner) update of sublayer j that
+    comes from reads of its parameters outside its visits, which no ``G_{r,j}`` holds
+    (0 when there are none; NaN where it could not be measured). ``converged`` is False
+    when a share exceeds ``OUTSIDE_EPS`` eps of the dtype (``sum_r G_{r,j}`` is then not the
+    tied gradient); ``reason`` says which sublayer and by how much, and also names
+    parameters that could not be checked (``requires_grad=False``).
     """
 
     visits: list[Visit]
@@ -58,6 +72,9 @@ class Updates:
     G: list[torch.Tensor] | None = None
     grad: list[torch.Tensor] | None = None
     memory: str = "full"
+    outside_share: list[float] = field(default_factory=list)
+    converged: bool = True
+    reason: str = ""
 
     def tied(self, j: int) -> torch.Tensor:
         """``sum_r G_{r,j}``: the tied (effective) update of sublayer j, flattened."""
@@ -97,6 +114,7 @@ class Updates:
         df = pd.DataFrame(rows)
         df.attrs["method"] = self.method
         df.attrs["memory"] = self.memory
+        df.attrs.update(converged=self.converged, reason=self.reason)
         return df
 
 
@@ -121,7 +139,9 @@ def per_visit_updates(
     visit's gradient out of the backward pass as soon as it is computed and keeps only
     the norms ``||G_{r,j}||`` and the tied sums (about one copy of the parameters; no
     Gram matrices; a second backward for Adam, whose preconditioner needs the tied
-    gradient first). Reference: seed 002, Eq. 11.
+    gradient first). Every call also checks ``sum_r G_{r,j}`` against the tied gradient, in
+    the same backward (``Updates.converged``/``reason``/``outside_share``; module
+    docstring). Reference: seed 002, Eq. 11.
     """
     call = "per_visit_updates"
     _check_update(update, call)
@@ -173,19 +193,19 @@ def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
 def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=None) -> Updates:
     """Stream every visit's gradient out of the backward pass as soon as it is computed.
 
-    ``full``: each leaf's ``.grad`` is set beforehand to a zero view of its row of ``raw``
-    (R_j x n_j), so the backward accumulates every gradient in place there: one copy of
-    all G, and no Python call per visit. ``low``: a hook per leaf keeps only running tied
-    sums and squared norms; Adam's preconditioner needs the tied gradient first, so the
+    One ``torch.autograd.grad`` over every visit's leaves and the sublayers' own
+    parameters (:func:`_backward`). ``full``: each leaf's gradient is added into its row of
+    ``raw`` (R_j x n_j): one copy of all G. ``low``: only running tied sums and squared
+    norms are kept; Adam's preconditioner needs the tied gradient first, so the
     preconditioned norms take a second backward pass. A gradient that never arrives
-    leaves a zero row (not gradient-visible).
+    leaves a zero row (not gradient-visible). The own parameters' gradients (reads outside
+    the visits) give the check ``sum_r G_{r,j} = tied gradient`` (:func:`_outside_check`).
     """
     flat = [(v, k, t) for v, ts in leaves for k, t in enumerate(ts)]
     offsets = [[0] for _ in groups]
     for g, off in zip(groups, offsets, strict=True):
         for p in g.params:
             off.append(off[-1] + p.numel())
-    inputs = [t for _, _, t in flat]
     sgd = isinstance(update, str) and update.lower() == "sgd"
     names = [g.sublayer.name for g in groups]
     if memory == "full":
@@ -193,37 +213,32 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
             torch.zeros(c, g.sublayer.numel, dtype=_dtype(g.params), device=_device(g.params))
             for c, g in zip(counts, groups, strict=True)
         ]
-        handles = []
-        for v, k, t in flat:
-            row = raw[v.j][v.r, offsets[v.j][k] : offsets[v.j][k + 1]]
-            if t.dtype == row.dtype and t.device == row.device:
-                t.grad = row.view(t.shape)
-            else:  # a parameter in another dtype or on another device: copy its gradient
-                handles.append(t.register_post_accumulate_grad_hook(_copy_into(row)))
-        try:
-            if loss.requires_grad and inputs:
-                torch.autograd.backward(loss, inputs=inputs)
-        finally:
-            for h in handles:
-                h.remove()
-            for t in inputs:
-                t.grad = None
+
+        def into_raw(v: Visit, a: int, b: int, g: torch.Tensor) -> None:
+            row = raw[v.j][v.r, a:b]
+            row.add_(g.to(row.device))
+
+        outside = _backward(loss, flat, groups, offsets, into_raw, retain=False)
         if ranks is not None:  # the mean over ranks, as DDP averages .grad
             ranks.agree(counts, "the number of visits of each sublayer", call)
             raw = [ranks.mean(r) for r in raw]
+            outside = [ranks.mean(o) for o in outside]
             loss = ranks.mean(loss.detach())
         sq = [torch.linalg.vector_norm(r, dim=1).double().square() for r in raw]
         _check_finite(raw, sq, visits, call)
         tied = [r.sum(0) for r in raw]
+        true = [t + o for t, o in zip(tied, outside, strict=True)]
         visible = [(q > 0).cpu() for q in sq]
-        G, method, history = _precondition(raw, groups, update, tied)
+        G, method, history = _precondition(raw, groups, update, true)
         if sgd:  # G is raw: its norms and sums are the ones just computed
             norms = [q.sqrt().to(r.dtype) for q, r in zip(sq, raw, strict=True)]
         else:
             norms, tied = [g.norm(dim=1) for g in G], [g.sum(0) for g in G]
+        share, ok, reason = _outside_check(groups, update, outside, true)
         return Updates(
-            visits, names, visible, norms, tied, method, float(loss.detach()), history, G, raw
-        )
+            visits, names, visible, norms, tied, method, float(loss.detach()), history, G, raw,
+            outside_share=share, converged=ok, reason=reason,
+        )  # fmt: skip
 
     def stream(scale: list[torch.Tensor] | None, retain: bool) -> tuple:
         tied = [g.params[0].new_zeros(g.sublayer.numel) for g in groups]
@@ -231,54 +246,114 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
             torch.zeros(c, dtype=torch.float64, device=t.device)
             for c, t in zip(counts, tied, strict=True)
         ]
-        handles = []
 
-        def hook_for(v: Visit, k: int) -> Any:
-            a, b = offsets[v.j][k], offsets[v.j][k + 1]
+        def into_sums(v: Visit, a: int, b: int, g: torch.Tensor) -> None:
+            g = g.reshape(-1).to(tied[v.j].device)
+            if scale is not None:
+                g = g * scale[v.j][a:b]
+            tied[v.j][a:b] += g
+            # float64 norm: not finite iff an entry is not (float32 cannot overflow it)
+            sq[v.j][v.r] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
 
-            def hook(leaf: torch.Tensor) -> None:
-                g = leaf.grad.reshape(-1)
-                leaf.grad = None  # free it now
-                if scale is not None:
-                    g = g * scale[v.j][a:b]
-                tied[v.j][a:b] += g
-                # float64 norm: not finite iff an entry is not (float32 cannot overflow it)
-                sq[v.j][v.r] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        outside = _backward(loss, flat, groups, offsets, into_sums, retain=retain)
+        return tied, sq, outside
 
-            return hook
-
-        for v, k, t in flat:
-            handles.append(t.register_post_accumulate_grad_hook(hook_for(v, k)))
-        try:
-            if loss.requires_grad and flat:
-                torch.autograd.backward(loss, inputs=inputs, retain_graph=retain)
-        finally:
-            for h in handles:
-                h.remove()
-        return tied, sq
-
-    tied, sq = stream(None, retain=not sgd)
+    tied, sq, outside = stream(None, retain=not sgd)
     finite = [torch.isfinite(q) for q in sq]
     _raise_first_bad(visits, lambda v: not bool(finite[v.j][v.r]), call)
     # Visible: a gradient that exists and is not exactly zero.
     visible = [(q > 0).cpu() for q in sq]
+    true = [t + o for t, o in zip(tied, outside, strict=True)]
     method, history = "sgd: G = dL/d delta (the step is -lr * G)", [0.0] * len(groups)
     if not sgd:
         ones = [torch.ones(1, t.numel(), dtype=t.dtype, device=t.device) for t in tied]
-        G1, method, history = _precondition(ones, groups, update, tied)
-        tied, sq = stream([g[0] for g in G1], retain=False)
+        G1, method, history = _precondition(ones, groups, update, true)
+        tied, sq, _ = stream([g[0] for g in G1], retain=False)
     norms = [q.sqrt().to(t.dtype) for q, t in zip(sq, tied, strict=True)]
+    share, ok, reason = _outside_check(groups, update, outside, true)
     return Updates(
-        visits, names, visible, norms, tied, method, float(loss.detach()), history, memory="low"
-    )
+        visits, names, visible, norms, tied, method, float(loss.detach()), history,
+        memory="low", outside_share=share, converged=ok, reason=reason,
+    )  # fmt: skip
 
 
-def _copy_into(row: torch.Tensor) -> Any:
-    def hook(leaf: torch.Tensor) -> None:
-        row.copy_(leaf.grad.reshape(-1))
-        leaf.grad = None
+def _backward(loss, flat, groups, offsets, sink, *, retain: bool) -> list[torch.Tensor]:
+    """One ``torch.autograd.grad`` over every visit's leaves and the sublayers' own parameters.
 
-    return hook
+    A hook hands each leaf's gradient to ``sink(visit, a, b, grad)`` (``a:b`` its slice of
+    the flattened sublayer) as soon as it is computed and leaves a zero-stride zero in its
+    place, so one leaf's gradient is alive at a time. Inside a visit the leaves stand in for
+    the parameters, so the parameters themselves get only what is read outside every visit;
+    returned flattened per sublayer (zeros where nothing is). ``torch.autograd.grad`` never
+    writes ``.grad`` nor runs post-accumulate hooks (DDP's, an optimizer-in-backward's).
+    """
+    own = [(j, k, p) for j, g in enumerate(groups) for k, p in enumerate(g.params)]
+    own = [(j, k, p) for j, k, p in own if p.requires_grad]
+    outside = [g.params[0].new_zeros(g.sublayer.numel) for g in groups]
+
+    def hook_for(v: Visit, k: int) -> Any:
+        a, b = offsets[v.j][k], offsets[v.j][k + 1]
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            dense = grad.to_dense() if grad.layout != torch.strided else grad  # sparse Embedding
+            sink(v, a, b, dense.reshape(-1))
+            if grad.layout != torch.strided:
+                return torch.zeros_like(grad)  # an empty sparse tensor
+            return grad.new_zeros(()).expand(grad.shape)  # holds no memory
+
+        return hook
+
+    handles = [t.register_hook(hook_for(v, k)) for v, k, t in flat]
+    try:
+        if loss.requires_grad and flat:
+            inputs = [t for _, _, t in flat] + [p for _, _, p in own]
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True, retain_graph=retain)
+            for (j, k, _), g in zip(own, grads[len(flat) :], strict=True):
+                if g is not None:
+                    g = g.to_dense() if g.layout != torch.strided else g
+                    outside[j][offsets[j][k] : offsets[j][k + 1]] = g.reshape(-1)
+    finally:
+        for h in handles:
+            h.remove()
+    return outside
+
+
+#: ``sum_r G_{r,j}`` may miss at most this many eps (of the sublayer's dtype) of the tied
+#: update before the result is not converged. An outside read that does not exist gives an
+#: exact zero; one that does is a real share, far above roundoff.
+OUTSIDE_EPS = 256
+
+
+def _outside_check(groups, update, outside, true) -> tuple[list[float], bool, str]:
+    """``||P g_out|| / ||P g_tied||`` per sublayer (``P`` the preconditioner built from the
+    true tied gradient), whether every share is within ``OUTSIDE_EPS`` eps, and why not."""
+    pairs = [torch.stack([o, t]) for o, t in zip(outside, true, strict=True)]
+    P = _precondition(pairs, groups, update, true)[0]
+    share, problems, unchecked = [], [], []
+    for g, (o, t) in zip(groups, P, strict=True):
+        no, nt = float(o.double().norm()), float(t.double().norm())
+        s = no / nt if nt > 0 else (0.0 if no == 0 else 1.0)
+        share.append(s)
+        tol = OUTSIDE_EPS * torch.finfo(_dtype(g.params)).eps
+        name = g.sublayer.name
+        if not s <= tol:  # NaN fails too
+            problems.append(
+                f"sum over visits of G differs from the tied update of sublayer {name!r} by "
+                f"{s:.3g} of its norm (||outside|| / ||tied|| > {tol:.1g}): its parameters are "
+                "also read outside "
+                "the module's calls (a tied read-out such as F.linear(h, block.weight), the "
+                "parent's forward, or loss_fn), and no visit holds that part; route the read "
+                "through a call of the module or untie it"
+            )
+        frozen = [
+            n for n, p in zip(g.sublayer.param_names, g.params, strict=True) if not p.requires_grad
+        ]
+        if frozen:
+            unchecked.append(
+                f"sum over visits of G = tied gradient not checked for {frozen} of {name!r} "
+                "(requires_grad=False: reads outside the visits are invisible)"
+            )
+    return share, not problems, "; ".join(problems + unchecked)
 
 
 def _check_finite(raw: list[torch.Tensor], sq: list[torch.Tensor], visits, call) -> None:
