@@ -190,6 +190,8 @@ def test_blocks_sharing_their_mlp_but_not_their_attention_warn_and_say_what_kapp
         "blocks.0, blocks.1, blocks.2, blocks.3 (AttnBlock) are partly tied: they share "
         "['mlp.*'] but not ['attn.*']"
     ]
+    rep = lp.visit_alignment(probe, x, _loss)
+    assert "blocks.0.mlp: " in rep.kappa_note and "over 280 parameters" in rep.kappa_note
 
 
 def test_partial_ties_compare_parameters_recursively_and_skip_per_layer_norms():
@@ -338,3 +340,28 @@ class Broken(nn.Module):
 def test_a_forward_that_fails_in_either_grad_mode_raises_its_own_error():
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         lp.attach(make(Broken)).visit_table(randn(2, 8))
+
+
+class NaNBufferLoop(nn.Module):
+    """A block holding a buffer with a NaN in it (a mask or statistics nobody reset)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block(4)
+        self.block.register_buffer("stats", torch.tensor([float("nan"), 1.0]))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x)
+        return self.head(x)
+
+
+def test_a_buffer_holding_nan_is_left_alone_not_copied_back_inside_a_transform():
+    # NaN != NaN made the buffer look changed, and copying it back inside the bound check's
+    # JVP raised torch.func's "mutate a captured Tensor"
+    model, x = make(NaNBufferLoop), randn(2, 4)
+    probe = lp.attach(model)
+    b = lp.bound_check(probe, x, _loss, lr=1e-3, alpha=1.0, beta=1.0)
+    assert b.converged, b.reason
+    assert torch.isnan(model.block.stats[0]) and model.block.stats[1] == 1.0

@@ -197,5 +197,15 @@ def restored(model: nn.Module) -> Iterator[None]:
             m.training = mode
         with torch.no_grad():
             for b, saved in buffers:
-                if not torch.equal(b, saved):
+                if not _same(b, saved):
                     b.copy_(saved)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a NaN buffer left alone is unchanged: copying it
+    back would write a captured tensor inside a torch.func transform)."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()) or a.shape != b.shape:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
