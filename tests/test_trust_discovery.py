@@ -365,3 +365,47 @@ def test_a_buffer_holding_nan_is_left_alone_not_copied_back_inside_a_transform()
     b = lp.bound_check(probe, x, _loss, lr=1e-3, alpha=1.0, beta=1.0)
     assert b.converged, b.reason
     assert torch.isnan(model.block.stats[0]) and model.block.stats[1] == 1.0
+
+
+def test_increments_of_a_forward_that_needs_grad_mode_are_measured_and_leave_grads():
+    model, x = make(ClipsTheStateGradient), randn(2, 8)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = _snapshot(model)
+    inc = lp.increments(model, x)
+    assert inc.converged, inc.reason
+    # the twin: the loop's own states, by hand; the block returns the updated stream
+    h, states = x.clone(), [x.clone()]
+    for _ in range(3):
+        h = model.block(h).detach()
+        states.append(h)
+    by_hand = torch.stack([(b - a).flatten() for a, b in zip(states, states[1:], strict=False)])
+    unit = by_hand / by_hand.norm(dim=1, keepdim=True)
+    assert inc.inc_norm == pytest.approx(by_hand.norm(dim=1).numpy(), rel=1e-12)
+    assert inc.cos[0] == pytest.approx((unit @ unit.T).numpy(), rel=1e-12)
+    assert _differences(before, model) == []
+
+
+class RunsItsOwnBackward(nn.Module):
+    """A forward that calls .backward() (an auxiliary loss stepped inside the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x)
+        if not torch.is_grad_enabled():
+            raise RuntimeError("this model needs grad mode")
+        x.square().sum().backward(retain_graph=True)
+        return x
+
+
+def test_discovery_puts_back_grads_a_forward_accumulated_in_place():
+    model, x = make(RunsItsOwnBackward), randn(2, 8)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = _snapshot(model)
+    assert list(lp.attach(model).visit_table(x).visits) == [3]
+    assert _differences(before, model) == []

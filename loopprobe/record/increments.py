@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopprobe.record.probe import Probe
+from loopprobe.record.probe import Probe, grads_kept
 from loopprobe.record.types import Forward, Visit, VisitRecord, call_model
 
 IncrementFn = Callable[[VisitRecord], torch.Tensor]
@@ -107,8 +107,17 @@ class Collector:
         subs = probe.sublayers(inputs, forward=forward)  # discovery (once per probe)
         # Increments are the loop body's: heads, norms and embedders write no residual stream.
         self.skip = {x.name for x in subs if x.role != "body"} if len(subs) > 1 else set()
-        with torch.no_grad(), probe.session(None, self.leave, call=self.call):
-            out = call_model(probe.model, inputs, forward)
+        try:  # no_grad first: no graph is kept
+            with torch.no_grad(), probe.session(None, self.leave, call=self.call):
+                out = call_model(probe.model, inputs, forward)
+        except RuntimeError:  # torch's refusal; retried in grad mode, a real error raises again
+            # A forward that needs grad mode (x.register_hook, torch.autograd.grad inside)
+            # runs as training runs it; what the first try recorded is dropped.
+            skip = self.skip
+            self.__init__(self.increment, self.copy, self.call)
+            self.skip = skip
+            with grads_kept(probe.model), probe.session(None, self.leave, call=self.call):
+                out = call_model(probe.model, inputs, forward)
         if not self.visits:
             raise ValueError(
                 f"{self.call}: the forward pass made no visit to any sublayer; check inputs"

@@ -190,7 +190,7 @@ class Probe:
 
             return go
 
-        with restored(self.model), _grads_kept(self.model):
+        with restored(self.model), grads_kept(self.model):
             try:  # no_grad first: no graph is kept, the cheapest forward
                 calls = discover.record_calls(owners, run(False))
             except Exception:  # noqa: BLE001 - retried in grad mode; a real error raises again
@@ -523,15 +523,18 @@ def _with_tie_note(g: Group, ties: list[_TieNote]) -> Group:
 
 
 @contextlib.contextmanager
-def _grads_kept(model: nn.Module):  # noqa: ANN202
+def grads_kept(model: nn.Module):  # noqa: ANN202
     """Put back every parameter's ``.grad`` (a forward that runs a backward of its own)."""
-    saved = [(p, p.grad) for p in model.parameters()]
+    saved = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
     try:
         yield
     finally:
-        for p, g in saved:
+        for p, g, values in saved:
             if p.grad is not g:
                 p.grad = g
+            if g is not None and not torch.equal(g, values):  # accumulated in place
+                with torch.no_grad():
+                    g.copy_(values)
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
