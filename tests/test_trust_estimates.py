@@ -57,6 +57,34 @@ def tied_gradient(model: nn.Module, x: torch.Tensor, loss) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("memory", ["full", "low"])
+def test_the_in_place_backward_and_the_hooked_one_give_the_same_G_and_leave_grads(memory):
+    # a parameter with a hook of its own takes the hooked path (a backward into it would run
+    # the hook); the fast path sets its .grad to a view for one backward and puts it back
+    model = make(TiedReadout)
+    x, target = randn(4, 6), randn(4, 6, seed=7)
+    mine = torch.full_like(model.block.weight, 3.0)
+    model.block.weight.grad = mine
+    probe = lp.attach(model, sublayers=["block"])
+    fast = lp.per_visit_updates(probe, x, mse(target), memory=memory)
+    assert model.block.weight.grad is mine and bool((mine == 3.0).all())
+    assert model.block.bias.grad is None
+    calls = []
+    handle = model.block.weight.register_hook(lambda g: calls.append(1))
+    try:
+        probe = lp.attach(model, sublayers=["block"])
+        hooked = lp.per_visit_updates(probe, x, mse(target), memory=memory)
+    finally:
+        handle.remove()
+    assert calls  # the hooked path ran
+    assert model.block.weight.grad is mine and bool((mine == 3.0).all())
+    assert hooked.outside_share[0] == pytest.approx(fast.outside_share[0], rel=1e-12)
+    assert torch.allclose(hooked.tied(0), fast.tied(0), rtol=1e-12, atol=0)
+    assert torch.allclose(hooked.norms(0), fast.norms(0), rtol=1e-12, atol=0)
+    if memory == "full":
+        assert torch.allclose(hooked.G[0], fast.G[0], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("memory", ["full", "low"])
 @pytest.mark.parametrize("cls", [TiedReadout, ParentReadsBias])
 def test_a_weight_read_outside_its_module_makes_G_not_converged_with_the_missing_share(cls, memory):
     model = make(cls)

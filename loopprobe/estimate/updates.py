@@ -193,9 +193,9 @@ def _raise_first_bad(visits: list[Visit], is_bad: Any, call: str) -> None:
 def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=None) -> Updates:
     """Stream every visit's gradient out of the backward pass as soon as it is computed.
 
-    One ``torch.autograd.grad`` over every visit's leaves and the sublayers' own
-    parameters (:func:`_backward`). ``full``: each leaf's gradient is added into its row of
-    ``raw`` (R_j x n_j): one copy of all G. ``low``: only running tied sums and squared
+    One backward into every visit's leaves and the sublayers' own parameters
+    (:func:`_backward_in_place`, or :func:`_backward` with hooks where that is not safe).
+    ``full``: each leaf's gradient lands in its row of ``raw`` (R_j x n_j): one copy of all G. ``low``: only running tied sums and squared
     norms are kept; Adam's preconditioner needs the tied gradient first, so the
     preconditioned norms take a second backward pass. A gradient that never arrives
     leaves a zero row (not gradient-visible). The own parameters' gradients (reads outside
@@ -218,7 +218,11 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
             row = raw[v.j][v.r, a:b]
             row.add_(g.to(row.device))
 
-        outside = _backward(loss, flat, groups, offsets, into_raw, retain=False)
+        outside = (
+            None if ranks is not None else _backward_in_place(loss, flat, groups, offsets, raw=raw)
+        )
+        if outside is None:
+            outside = _backward(loss, flat, groups, offsets, into_raw, retain=False)
         if ranks is not None:  # the mean over ranks, as DDP averages .grad
             ranks.agree(counts, "the number of visits of each sublayer", call)
             raw = [ranks.mean(r) for r in raw]
@@ -255,7 +259,9 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
             # float64 norm: not finite iff an entry is not (float32 cannot overflow it)
             sq[v.j][v.r] += torch.linalg.vector_norm(g, dtype=torch.float64).square()
 
-        outside = _backward(loss, flat, groups, offsets, into_sums, retain=retain)
+        outside = _backward_in_place(loss, flat, groups, offsets, sink=into_sums, retain=retain)
+        if outside is None:
+            outside = _backward(loss, flat, groups, offsets, into_sums, retain=retain)
         return tied, sq, outside
 
     tied, sq, outside = stream(None, retain=not sgd)
@@ -275,6 +281,63 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
         visits, names, visible, norms, tied, method, float(loss.detach()), history,
         memory="low", outside_share=share, converged=ok, reason=reason,
     )  # fmt: skip
+
+
+def _backward_in_place(
+    loss, flat, groups, offsets, *, raw=None, sink=None, retain: bool = False
+) -> list[torch.Tensor] | None:
+    """:func:`_backward` without wrapping every gradient: one ``torch.autograd.backward``
+    into the visits' leaves and the sublayers' own parameters, whose ``.grad`` is set
+    beforehand to a view of its slice of ``outside`` (the parameters' own ``.grad`` objects
+    are put back in ``finally``). ``raw`` given (``full``): each leaf's ``.grad`` is a view
+    of its row, so the backward accumulates every G in place, no Python call per visit (as
+    before the check existed). ``sink`` given (``low``): a post-accumulate hook hands each
+    leaf's gradient to ``sink(visit, a, b, grad)`` and frees it. ``None`` where this is not
+    safe: a parameter with hooks of its own (a backward into it would run them), a dtype
+    or device that differs from its slice; then :func:`_backward` does it."""
+    own = [(j, k, p) for j, g in enumerate(groups) for k, p in enumerate(g.params)]
+    own = [(j, k, p) for j, k, p in own if p.requires_grad]
+    outside = [g.params[0].new_zeros(g.sublayer.numel) for g in groups]
+    views = [] if raw is None else [
+        (t, raw[v.j][v.r, offsets[v.j][k] : offsets[v.j][k + 1]]) for v, k, t in flat
+    ]  # fmt: skip
+    for j, k, p in own:
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) or not p.is_leaf:
+            return None
+        views.append((p, outside[j][offsets[j][k] : offsets[j][k + 1]]))
+    if any(t.dtype != row.dtype or t.device != row.device for t, row in views):
+        return None
+    saved, handles = [(p, p.grad) for _, _, p in own], []
+
+    def hook_for(v: Visit, k: int) -> Any:
+        a, b = offsets[v.j][k], offsets[v.j][k + 1]
+
+        def hook(leaf: torch.Tensor) -> None:
+            g = leaf.grad
+            leaf.grad = None  # free it now
+            sink(v, a, b, (g.to_dense() if g.layout != torch.strided else g).reshape(-1))
+
+        return hook
+
+    try:
+        for t, row in views:
+            t.grad = row.view(t.shape)
+        if sink is not None:
+            handles = [t.register_post_accumulate_grad_hook(hook_for(v, k)) for v, k, t in flat]
+        if loss.requires_grad and flat:
+            inputs = [t for _, _, t in flat] + [p for _, _, p in own]
+            torch.autograd.backward(loss, inputs=inputs, retain_graph=retain)
+        for t, row in views:  # a sparse gradient replaces a dense .grad instead of adding
+            if t.grad is not None and t.grad.data_ptr() != row.data_ptr():
+                row.add_(t.grad.to_dense().reshape(-1))
+    finally:
+        for h in handles:
+            h.remove()
+        for _, _, t in flat:
+            t.grad = None
+        for p, g in saved:
+            p.grad = g
+    return outside
 
 
 def _backward(loss, flat, groups, offsets, sink, *, retain: bool) -> list[torch.Tensor]:
