@@ -18,15 +18,17 @@ collectives (nothing here talks to the network itself):
   vectors coincide.
 
 :class:`Ranks` is the process group; :func:`unwrap` finds the module to probe (DDP's
-``.module``) and refuses sharded parameters (FSDP1 flat parameters, FSDP2 DTensors),
-naming the full-replica route that works for both (:func:`full_replica`: one full
-copy of the parameters per rank). This module may import
+``.module``, torch.compile's eager ``._orig_mod``) and refuses sharded parameters (FSDP1
+flat parameters, FSDP2 DTensors), naming the full-replica route that works for both
+(:func:`full_replica`: one full copy of the parameters per rank). This module may import
 torch.distributed but no loopprobe layer.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -145,22 +147,55 @@ def unwrap(model: nn.Module, call: str = "attach") -> tuple[nn.Module, Ranks | N
     """The module to probe and the ranks to reduce over.
 
     DDP: its ``.module`` (the probe's forward never passes through DDP's reducer, so the
-    next training step is unaffected) and the DDP process group. A plain module: itself,
-    no ranks. Sharded parameters are refused with the replica route: FSDP1 flattens
-    parameters (the per-sublayer tensors do not exist outside its forward), and FSDP2
-    holds DTensor shards that its own hooks swap in and out around each unit's forward,
-    which a reused (looped) unit would interleave with the probe's swap.
+    next training step is unaffected) and the DDP process group. ``torch.compile``'s
+    ``OptimizedModule``: its ``._orig_mod``, the eager module holding the same parameters
+    (with a ``UserWarning``: what is measured is the eager forward, not the compiled
+    graph); also nested, ``DDP(compile(m))`` and ``compile(DDP(m))``. A plain module:
+    itself, no ranks. Sharded parameters are refused with the replica route: FSDP1
+    flattens parameters (the per-sublayer tensors do not exist outside its forward), and
+    FSDP2 holds DTensor shards that its own hooks swap in and out around each unit's
+    forward, which a reused (looped) unit would interleave with the probe's swap.
     """
     parallel = sys.modules.get("torch.nn.parallel.distributed")
-    if parallel is not None and isinstance(model, parallel.DistributedDataParallel):
-        inner = model.module
-        _refuse_sharded(inner, call)
-        import torch.distributed as dist
+    ranks, compiled = None, False
+    while True:
+        if _is_compiled(model):
+            model, compiled = model._orig_mod, True
+        elif parallel is not None and isinstance(model, parallel.DistributedDataParallel):
+            import torch.distributed as dist
 
-        group = model.process_group
-        return inner, Ranks(None if group is dist.group.WORLD else group)
+            group = model.process_group
+            model, ranks = model.module, Ranks(None if group is dist.group.WORLD else group)
+        else:
+            break
     _refuse_sharded(model, call)
-    return model, None
+    if compiled:
+        warnings.warn(
+            f"{call}: the model is torch.compile'd; probing runs the eager module "
+            f"({type(model).__name__}, the same parameters) and torch.compile's graph is not "
+            "what is measured",
+            UserWarning,
+            stacklevel=_caller_level(),
+        )
+    return model, ranks
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside loopprobe (the user's call), so the
+    warning names their line and the default filter shows it once per line."""
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """A ``torch.compile``'d module (``torch._dynamo.eval_frame.OptimizedModule``), told by
+    name and attribute so that loopprobe never imports torch._dynamo itself."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(
+        getattr(model, "_orig_mod", None), nn.Module
+    )
 
 
 def _refuse_sharded(model: nn.Module, call: str) -> None:

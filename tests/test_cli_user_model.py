@@ -296,7 +296,6 @@ def test_argument_errors_are_one_line_with_exit_2(capsys, argv, needle):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["kappa", "--model", "{m}:make", "--inputs", "{m}:batch"], "pass --forward"),
         (["kappa", "--model", "{m}:make_fails"], "make_fails() raised RuntimeError: weights"),
         (["kappa", "--model", "{m}:make", "--forward", "{m}:nope"], "has no attribute 'nope'"),
         (["kappa", "--model", "{m}:make", "--forward", "{m}"], "must look like package.module:fn"),

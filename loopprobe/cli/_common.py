@@ -60,18 +60,6 @@ class DefaultOutput:
         )
 
 
-def model_loss(out: Any) -> torch.Tensor | None:
-    """The scalar ``.loss`` (or ``["loss"]``) a model returned itself (Hugging Face style)."""
-    import torch
-
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        return loss.reshape(())
-    return None
-
-
 def apply_threads(args: Any, work: float | None) -> int:
     """Set torch's intra-op threads for a command: ``--threads`` or the size rule.
 

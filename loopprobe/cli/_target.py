@@ -18,8 +18,9 @@ from torch import nn
 
 from loopprobe import tasks
 from loopprobe._io import call_user, load_model, load_object
-from loopprobe.cli._common import DefaultOutput, model_frame, model_loss
+from loopprobe.cli._common import DefaultOutput
 from loopprobe.models import GPTConfig, LoopedGPT
+from loopprobe.record.types import MappingCallError, model_loss
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -57,7 +58,9 @@ class Target:
 
 class DefaultLoss:
     """The loss when no ``--loss`` is given: the model's own scalar ``.loss`` if its output
-    carries one (Hugging Face style), else ``fallback``. ``used`` names what was used."""
+    carries one (Hugging Face style; the library's ``loss_fn=None``, one implementation:
+    :func:`loopprobe.record.types.model_loss`), else ``fallback``. ``used`` names what was
+    used."""
 
     def __init__(self, fallback: Callable[[Any, Any], torch.Tensor], name: str) -> None:
         self.fallback, self.name, self.used = fallback, name, None
@@ -158,19 +161,17 @@ def _fallback_loss(pick: Callable[[Any], torch.Tensor], targets: Any) -> tuple:
 
 @contextlib.contextmanager
 def call_hint(target: Target) -> Iterator[None]:
-    """A model fed a dict without ``--forward`` that fails to take it: say how to call it
-    instead. An error raised inside the model's code is its own and passes unchanged."""
+    """A model fed the mapping from ``--inputs`` (called as ``model(**inputs)``) whose
+    forward does not take its keys: say how to call it instead, in the CLI's flags."""
     try:
         yield
-    except Exception as err:
-        inside = model_frame(err) is not None
-        if target.forward is None and isinstance(target.inputs, dict) and not inside:
-            raise ValueError(
-                f"calling the model with the dict from --inputs as model(inputs) raised "
-                f"{type(err).__name__}: {err}; pass --forward package.module:fn with "
-                "def fn(model, inputs): return model(**inputs)"
-            ) from err
-        raise
+    except MappingCallError as err:  # raised only when no --forward is given
+        raise ValueError(
+            f"calling the model with the {type(target.inputs).__name__} from --inputs as "
+            f"model(**inputs) (keys {list(target.inputs)}) failed: {err.__cause__}; pass "
+            "--forward package.module:fn with def fn(model, inputs): return model(inputs) "
+            "if it takes the mapping itself"
+        ) from err
 
 
 def _takes_argument(fn: Callable) -> bool:

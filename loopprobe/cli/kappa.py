@@ -12,8 +12,9 @@ Without ``--model`` the target is the reference :class:`~loopprobe.models.Looped
 package.module:factory`` probes the user's own ``nn.Module``: ``factory()`` (or
 ``factory(R)`` when ``--R`` is given) builds it; ``--inputs package.module:fn`` returns
 what the model is called with (``fn(model)``, or ``fn()`` if it takes no argument);
-``--forward package.module:fn`` calls the model as ``fn(model, inputs)`` (keyword
-arguments, dicts: ``return model(**inputs)``); ``--output package.module:fn`` picks the
+``--forward package.module:fn`` calls the model as ``fn(model, inputs)`` (a model that
+takes a dict itself: ``return model(inputs)``; a mapping is passed as ``model(**inputs)``
+without it); ``--output package.module:fn`` picks the
 tensor F from the output (default: the output itself, or its ``.logits`` for Hugging
 Face ``ModelOutput`` and similar; the report says which); ``--loss package.module:fn`` is
 ``loss_fn(output, inputs)`` (default: the model's own scalar ``.loss`` when it returns
@@ -107,8 +108,9 @@ def add_target_args(parser: argparse.ArgumentParser, *, default_norm: str) -> No
         "--forward",
         default=None,
         metavar="PKG.MOD:FN",
-        help="fn(model, inputs) -> output, for models called with keyword arguments or dicts "
-        "(e.g. return model(**inputs)); default model(*inputs) for a tuple, else model(inputs)",
+        help="fn(model, inputs) -> output, for models called in another way (e.g. a model that "
+        "takes a dict itself: return model(inputs)); default model(*inputs) for a tuple, "
+        "model(**inputs) for a mapping, else model(inputs)",
     )
     user.add_argument(
         "--output",

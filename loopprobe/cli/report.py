@@ -71,8 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--forward",
         default=None,
-        help="package.module:fn; fn(model, inputs) -> output, for models called with keyword "
-        "arguments or dicts (e.g. return model(**inputs))",
+        help="package.module:fn; fn(model, inputs) -> output, for models called in another "
+        "way (a mapping is passed as model(**inputs), a tuple as model(*inputs))",
     )
     parser.add_argument(
         "--alpha",

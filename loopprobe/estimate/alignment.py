@@ -26,9 +26,9 @@ import torch
 
 from loopprobe._stats import cosine_matrix
 from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
-from loopprobe.estimate.updates import OUTSIDE_EPS, LossFn, Updates, per_visit_updates
+from loopprobe.estimate.updates import OUTSIDE_EPS, Updates, per_visit_updates
 from loopprobe.record.probe import Probe
-from loopprobe.record.types import Forward, Output
+from loopprobe.record.types import Forward, LossFn, Output, default_loss
 
 
 def visit_kappa(
@@ -91,7 +91,7 @@ class AlignmentReport:
 def visit_alignment(
     probe: Probe,
     inputs: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     *,
     forward: Forward | None = None,
     output: Output | None = None,
@@ -111,11 +111,13 @@ def visit_alignment(
     measured on the same visits with F picked by ``output=`` (default the model output).
     Every model evaluation runs with torch's RNG at ``seed`` (same dropout masks for G
     and every U product). See :func:`per_visit_updates` and :func:`sensitivity_norms`
-    for the arguments; ``memory="low"`` keeps only G norms and tied sums (no G Gram
-    matrices in the report). ``start``: an earlier report (or its ``sensitivity``) to
-    warm-start the U estimates from (:func:`sensitivity_norms`; a training monitor).
+    for the arguments (``loss_fn=None``: the model's own ``.loss``); ``memory="low"``
+    keeps only G norms and tied sums (no G Gram matrices in the report). ``start``: an
+    earlier report (or its ``sensitivity``) to warm-start the U estimates from
+    (:func:`sensitivity_norms`; a training monitor).
     Reference: seed 002, Eq. 12.
     """
+    loss_fn = default_loss(loss_fn, "visit_alignment")
     ups = per_visit_updates(
         probe, inputs, loss_fn, forward=forward, update=update, seed=seed, memory=memory
     )

@@ -24,10 +24,17 @@ from loopprobe._stats import loglog_slope
 from loopprobe.autodiff import transform_safe
 from loopprobe.distributed import refuse
 from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
-from loopprobe.estimate.updates import LossFn
 from loopprobe.record.probe import Probe
 from loopprobe.record.session import restored
-from loopprobe.record.types import Forward, Output, call_model, pick_output, seeded
+from loopprobe.record.types import (
+    Forward,
+    LossFn,
+    Output,
+    call_model,
+    default_loss,
+    pick_output,
+    seeded,
+)
 
 # --------------------------------------------------------------------------- bound check
 
@@ -81,7 +88,7 @@ class BoundCheck:
 def bound_check(
     probe: Probe,
     inputs: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     *,
     lr: float = 1e-3,
     optimizer: str = "sgd",
@@ -109,6 +116,7 @@ def bound_check(
     ``sum_j R_j kappa_j (beta/alpha)^2`` (Eq. 20). Reference: seed 002, Eq. 13-14, 20.
     """
     call = "bound_check"
+    loss_fn = default_loss(loss_fn, call)  # None: the model's own .loss
     refuse(probe.ranks, call)  # its real step would use this rank's gradient only
     if scope not in ("looped", "all"):
         raise ValueError(f"{call}: scope={scope!r}; choose 'looped' or 'all'")
@@ -299,7 +307,7 @@ def bound_sweep(
     factory: Callable[[int], nn.Module],
     Rs: Sequence[int],
     inputs: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     *,
     sublayers: Sequence[str] | None = None,
     **kwargs: Any,

@@ -37,9 +37,7 @@ import torch
 
 from loopprobe._stats import cosine_matrix
 from loopprobe.record.probe import Probe, first_nonfinite_visit
-from loopprobe.record.types import Forward, Visit, call_model, seeded
-
-LossFn = Any  # Callable[[output, inputs], scalar Tensor]
+from loopprobe.record.types import Forward, LossFn, Visit, call_model, default_loss, seeded
 
 
 @dataclass
@@ -121,7 +119,7 @@ class Updates:
 def per_visit_updates(
     probe: Probe,
     inputs: Any,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     *,
     forward: Forward | None = None,
     update: str | torch.optim.Optimizer = "sgd",
@@ -130,7 +128,9 @@ def per_visit_updates(
 ) -> Updates:
     """``G_{r,j}`` for every visit of every sublayer from one backward pass.
 
-    ``loss_fn(output, inputs)`` returns a scalar. ``update``: ``"sgd"`` (``G`` is the
+    ``loss_fn(output, inputs)`` returns a scalar; ``None`` (default): the scalar ``.loss``
+    the model returns itself (Hugging Face, given labels; :func:`loopprobe.record.types.
+    model_loss`), a ``ValueError`` when it returns none. ``update``: ``"sgd"`` (``G`` is the
     gradient, the step is ``-lr * G``), ``"adam"``/``"adamw"`` (a fresh optimizer's first
     step), or a ``torch.optim.Adam``/``AdamW``/``SGD`` instance whose state is read (never
     written). ``seed``: torch's RNG is forked and seeded for the forward (same dropout
@@ -144,6 +144,7 @@ def per_visit_updates(
     docstring). Reference: seed 002, Eq. 11.
     """
     call = "per_visit_updates"
+    loss_fn = default_loss(loss_fn, call)
     _check_update(update, call)
     if memory not in ("full", "low"):
         raise ValueError(f"{call}: memory={memory!r}; choose 'full' or 'low'")
@@ -195,11 +196,12 @@ def _collect(loss, leaves, groups, counts, visits, update, call, memory, ranks=N
 
     One backward into every visit's leaves and the sublayers' own parameters
     (:func:`_backward_in_place`, or :func:`_backward` with hooks where that is not safe).
-    ``full``: each leaf's gradient lands in its row of ``raw`` (R_j x n_j): one copy of all G. ``low``: only running tied sums and squared
-    norms are kept; Adam's preconditioner needs the tied gradient first, so the
-    preconditioned norms take a second backward pass. A gradient that never arrives
-    leaves a zero row (not gradient-visible). The own parameters' gradients (reads outside
-    the visits) give the check ``sum_r G_{r,j} = tied gradient`` (:func:`_outside_check`).
+    ``full``: each leaf's gradient lands in its row of ``raw`` (R_j x n_j): one copy of all
+    G. ``low``: only running tied sums and squared norms are kept; Adam's preconditioner
+    needs the tied gradient first, so the preconditioned norms take a second backward pass.
+    A gradient that never arrives leaves a zero row (not gradient-visible). The own
+    parameters' gradients (reads outside the visits) give the check ``sum_r G_{r,j} = tied
+    gradient`` (:func:`_outside_check`).
     """
     flat = [(v, k, t) for v, ts in leaves for k, t in enumerate(ts)]
     offsets = [[0] for _ in groups]

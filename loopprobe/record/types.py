@@ -3,14 +3,17 @@
 A *physical sublayer* ``j`` is a group of parameters ``phi_j`` that is reused; a *visit*
 ``(r, j)`` is the r-th call (execution order, 0-based) of a module that computes with
 ``phi_j``. These are plain data: :mod:`loopprobe.record.probe` finds and fills them.
-``inputs`` is what the model is called with (a tensor, or a tuple of positional
-arguments); ``forward(model, inputs)`` replaces the call for anything else, and
-``output(out)`` picks the tensor F from the result. Definitions: docs/definitions.md.
+``inputs`` is what the model is called with (a tensor; a tuple of positional arguments;
+a mapping, e.g. a Hugging Face ``BatchEncoding``, of keyword arguments);
+``forward(model, inputs)`` replaces the call for anything else, ``output(out)`` picks the
+tensor F from the result, and :func:`model_loss` reads the loss a model returns itself
+(the default ``loss_fn``). Definitions: docs/definitions.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import inspect
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +24,7 @@ from torch import nn
 
 Forward = Callable[[nn.Module, Any], Any]
 Output = Callable[[Any], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]  # loss_fn(output, inputs) -> scalar
 
 
 @dataclass(frozen=True)
@@ -99,12 +103,40 @@ class Recording:
 
 
 def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) -> Any:
-    """``forward(model, inputs)`` if given, else ``model(*inputs)`` / ``model(inputs)``."""
+    """``forward(model, inputs)`` if given, else ``model(*inputs)`` for a tuple,
+    ``model(**inputs)`` for a mapping (a dict, a Hugging Face ``BatchEncoding``), else
+    ``model(inputs)``."""
     if forward is not None:
         return forward(model, inputs)
     if isinstance(inputs, tuple):
         return model(*inputs)
+    if isinstance(inputs, Mapping):
+        try:
+            return model(**inputs)
+        except TypeError as err:
+            if _binds(model, inputs):
+                raise  # raised inside the model: its own error
+            raise MappingCallError(
+                f"calling the model with a {type(inputs).__name__} of inputs as "
+                f"model(**inputs) (keys {list(inputs)}) raised TypeError: {err}; pass "
+                "forward=lambda model, inputs: model(inputs) if it takes the mapping itself"
+            ) from err
     return model(inputs)
+
+
+class MappingCallError(TypeError):
+    """The model's forward does not take a mapping's items as keyword arguments."""
+
+
+def _binds(model: nn.Module, inputs: Mapping) -> bool:
+    """Whether ``model.forward`` accepts the mapping's items as keyword arguments."""
+    try:
+        inspect.signature(model.forward).bind(**inputs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: assume it binds, keep the model's error
+        return True
+    return True
 
 
 HF_OUTPUTS = ("logits", "last_hidden_state")
@@ -122,6 +154,38 @@ def pick_output(out: Any, output: Output | None = None, *, call: str = "probe") 
             "output=lambda out: out[...] (or forward=) to pick the tensor F"
         )
     return F
+
+
+def model_loss(out: Any) -> torch.Tensor | None:
+    """The scalar loss a model returned itself: its output's ``.loss`` (a Hugging Face
+    ``ModelOutput`` given ``labels``) or ``["loss"]``, as a 0-d tensor; ``None`` when it
+    has none."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(())
+    return None
+
+
+def default_loss(loss_fn: LossFn | None, call: str) -> LossFn:
+    """``loss_fn``, or when it is ``None`` the loss ``(out, inputs) -> model_loss(out)``,
+    which raises a ``ValueError`` naming ``call`` for an output without a scalar loss."""
+    if loss_fn is not None:
+        return loss_fn
+
+    def own_loss(out: Any, _inputs: Any) -> torch.Tensor:
+        loss = model_loss(out)
+        if loss is None:
+            raise ValueError(
+                f"{call}: loss_fn=None uses the loss the model returns itself, but its "
+                f"{type(out).__name__} output has no scalar .loss (a Hugging Face model "
+                "returns one when the batch holds labels); add labels to the batch or pass "
+                "loss_fn=lambda out, inputs: ... returning a scalar"
+            )
+        return loss
+
+    return own_loss
 
 
 def copy_tree(x: Any) -> Any:
