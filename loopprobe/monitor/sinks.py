@@ -5,6 +5,8 @@ A sink is any object with ``write(step, rows)`` (``rows``: the step's long frame
 ``Monitor(sinks=[...])`` becomes a :class:`CallableSink`, so ``sinks=[wandb.log]`` works.
 Scalar names are ``<prefix>/<quantity>`` (model level: ``loopprobe/kappa_R``),
 ``<prefix>/<quantity>/<sublayer>`` and ``<prefix>/<quantity>/<sublayer>/r<visit>``.
+For Weights & Biases, :class:`loopprobe.monitor.wandb_sink.WandbSink` groups the visits
+(one chart per quantity) where ``wandb.log`` gives one chart per visit.
 Nothing here imports tensorboard, pyarrow or matplotlib until a sink that needs it is made.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import pathlib
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,7 +61,8 @@ def as_sink(obj: Any, call: str = "Monitor") -> Sink:
         return CallableSink(obj)
     raise TypeError(
         f"{call}: sink {obj!r} has no write(step, rows) and is not callable; pass "
-        "TensorBoardSink(log_dir), FileSink('monitor.csv') or a function metrics -> None"
+        "TensorBoardSink(log_dir), WandbSink(), FileSink('monitor.csv') or a function "
+        "metrics -> None"
     )
 
 
@@ -84,7 +88,7 @@ class CallableSink(Sink):
 
     ``step_key``: the key the step goes under (default ``"step"``); ``None`` calls
     ``fn(metrics, step=step)`` instead (``wandb.log`` takes ``step=``, which must then be the
-    step your other ``wandb.log`` calls use).
+    step your other ``wandb.log`` calls use). For wandb, ``WandbSink`` groups the visits.
     """
 
     def __init__(
@@ -112,7 +116,9 @@ class TensorBoardSink(Sink):
 
     Every row is a scalar (``loopprobe/kappa_R`` is the kappa_R-vs-step curve,
     ``loopprobe/kappa/<sublayer>`` one per sublayer; per-visit rows too unless
-    ``per_visit=False``). Every ``heatmap_every``-th write (the first included) adds, per
+    ``per_visit=False``), and a custom scalars layout (TensorBoard's CUSTOM SCALARS tab,
+    category ``<prefix> per visit``) draws each per-visit quantity's visits, all sublayers,
+    in one chart. Every ``heatmap_every``-th write (the first included) adds, per
     quantity in ``heatmaps``, an image of the step x visit heat map of all steps so far
     (one panel per sublayer, :func:`loopprobe.plots.monitor.visit_heatmap`; drawing it
     costs about 0.2 s, several training steps of a small model, hence not every write).
@@ -150,6 +156,7 @@ class TensorBoardSink(Sink):
         self.heatmaps, self.heatmap_every = tuple(heatmaps), heatmap_every
         self._history: list[pd.DataFrame] = []
         self._writes = 0
+        self._per_visit: list[str] = []  # quantities in the custom scalars layout
 
     @property
     def log_dir(self) -> str:
@@ -158,6 +165,10 @@ class TensorBoardSink(Sink):
     def write(self, step: int, rows: pd.DataFrame) -> None:
         for name, value in scalars(rows, self.prefix, self.per_visit):
             self.writer.add_scalar(name, value, step)
+        new = [q for q in pd.unique(rows.quantity[rows.visit.notna()]) if q not in self._per_visit]
+        if self.per_visit and new:
+            self._per_visit += new  # TensorBoard shows the layout written last
+            self.writer.add_custom_scalars(self.layout())
         kept = rows[rows.quantity.isin(self.heatmaps) & rows.visit.notna()]
         if len(kept):
             self._history.append(kept)
@@ -170,6 +181,12 @@ class TensorBoardSink(Sink):
                     fig = visit_heatmap(history, quantity=q)
                     self.writer.add_figure(f"{self.prefix}/heatmap/{q}", fig, step, close=True)
         self._writes += 1
+
+    def layout(self) -> dict:
+        """``{category: {quantity: ["Multiline", [tag regex]]}}``: one chart per quantity."""
+        p = re.escape(f"{self.prefix}/" if self.prefix else "")
+        charts = {q: ["Multiline", [rf"^{p}{re.escape(q)}/.+/r\d+$"]] for q in self._per_visit}
+        return {f"{self.prefix or 'loopprobe'} per visit": charts}
 
     def close(self) -> None:
         self.writer.flush()
