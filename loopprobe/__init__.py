@@ -18,7 +18,8 @@ BoundCheck`` and ``bound_sweep -> BoundSweep`` (the bound and C), ``increments -
 Increments`` and ``growth_sweep -> Growth`` (increment correlation, growth exponent).
 Per round: ``fixed_point -> FixedPoint``, ``round_residuals -> RoundResiduals``,
 ``spectral_radius -> SpectralRadius``, ``input_dependence -> InputDependence``,
-``finite_step -> FiniteStep``. Training health: ``instability -> Instability``.
+``finite_step -> FiniteStep``. For curvature tools: ``sensitivity_operators`` (each U as a
+``scipy.sparse.linalg.LinearOperator``). Training health: ``instability -> Instability``.
 Scaling law: ``fit_recurrence_law`` (and :mod:`lp.scaling <loopprobe.estimate.scaling>`).
 Loop redundancy (FlashLoop's observations): ``redundancy -> Redundancy``.
 
@@ -30,10 +31,12 @@ trainer callbacks in :mod:`loopprobe.integrations`.
 :mod:`loopprobe.report` (``loopprobe report``).
 
 Around them: ``sweep`` and ``grid`` (cached grids of runs), ``threads`` (opt-in thread
-count for a block), and the submodules ``lp.models`` (reference looped models),
-``lp.tasks`` (data that needs no download), ``lp.theory`` (closed forms),
-``lp.experiments`` (drivers that train models to test a seed's claim), ``lp.linalg``
-(matrix-free operator norms) and ``lp.testing`` (property tests for your model family).
+count for a block), ``transform_safe`` (a block where ``torch.func`` runs through fused
+attention, checkpointing and buffer writes, for any code), and the submodules
+``lp.models`` (reference looped models), ``lp.tasks`` (data that needs no download),
+``lp.theory`` (closed forms), ``lp.experiments`` (drivers that train models to test a
+seed's claim), ``lp.linalg`` (matrix-free operator norms) and ``lp.testing`` (property
+tests for your model family).
 
 Names are imported on first use, so ``import loopprobe`` costs little beyond ``import
 torch`` (benchmarks/bench_startup.py). Definitions of every quantity: docs/definitions.md.
@@ -62,6 +65,7 @@ _NAMES = {
     "Updates": "loopprobe.estimate.updates",
     "sensitivity_norms": "loopprobe.estimate.sensitivity",
     "Sensitivity": "loopprobe.estimate.sensitivity",
+    "sensitivity_operators": "loopprobe.estimate.sensitivity",
     "visit_alignment": "loopprobe.estimate.alignment",
     "AlignmentReport": "loopprobe.estimate.alignment",
     "bound_check": "loopprobe.estimate.bound",
@@ -95,6 +99,7 @@ _NAMES = {
     "sweep": "loopprobe.sweeps",
     "grid": "loopprobe.sweeps",
     "threads": "loopprobe._threads",
+    "transform_safe": "loopprobe.autodiff",
 }
 
 _SUBMODULES = {
@@ -137,6 +142,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
     from loopprobe import experiments, linalg, models, plots, tasks, theory
     from loopprobe._threads import threads
+    from loopprobe.autodiff import transform_safe
     from loopprobe.differentiate.roundmap import RoundMap, replay_round, round_map
     from loopprobe.differentiate.visitfn import VisitFunction, visit_function
     from loopprobe.estimate import scaling
@@ -157,7 +163,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.estimate.instability import Instability, instability
     from loopprobe.estimate.redundancy import Redundancy, redundancy
     from loopprobe.estimate.scaling import fit_recurrence_law
-    from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
+    from loopprobe.estimate.sensitivity import (
+        Sensitivity,
+        sensitivity_norms,
+        sensitivity_operators,
+    )
     from loopprobe.estimate.updates import Updates, per_visit_updates
     from loopprobe.monitor.monitor import Monitor
     from loopprobe.record.probe import Probe, attach

@@ -1,7 +1,9 @@
-"""What loopprobe's own ``torch.func`` transforms need from a model nobody wrote for them.
+"""What ``torch.func`` transforms need from a model nobody wrote for them.
 
-Three gaps between real models and ``torch.func`` are closed here, for the duration of
-loopprobe's probes only (the user's settings are untouched outside them):
+Three gaps between real models and ``torch.func`` are closed here, inside loopprobe's
+probes and inside ``with lp.transform_safe():`` in anyone's code (:func:`transform_safe`,
+public: e.g. ``torch.func.jvp`` through ``F.scaled_dot_product_attention``, which torch
+refuses on its fused kernels); the user's settings are untouched outside them:
 
 - **Fused attention.** ``F.scaled_dot_product_attention`` dispatches on CPU (and CUDA) to
   fused kernels that have no forward-AD rule (nor a double backward). Inside
@@ -37,8 +39,9 @@ loopprobe's probes only (the user's settings are untouched outside them):
 
 It also measures which floating dtypes a forward computes in (:func:`dtypes_on_path`), so
 that tolerances follow the lowest precision on the path, not the parameters' dtype.
-(Buffers written in place during forward are handled where F is built:
-``loopprobe.differentiate.jacobian.VisitJacobian`` functionalizes it.) The layout mode intercepts
+(Buffers written in place during forward: ``transform_safe(module)`` gives a transform
+fresh copies; where loopprobe builds F, ``loopprobe.differentiate.jacobian.VisitJacobian``
+functionalizes it instead.) The layout mode intercepts
 every torch call while a probe runs; on LoopedGPT's sensitivity loop everything here
 cost 1.03x (``benchmarks/bench_transform_safe.py``).
 """
@@ -145,12 +148,78 @@ def inline_checkpoint() -> Iterator[None]:
 
 
 @contextmanager
-def transform_safe() -> Iterator[None]:
-    """Attention on torch's math kernel (laid out as the user's kernel would); checkpointed
-    segments inline. Both are process-wide settings, restored on exit."""
+def transform_safe(*modules: torch.nn.Module) -> Iterator[None]:
+    """A block in which ``torch.func`` transforms (``jvp``, ``jacfwd``, ``vjp``, ``jacrev``,
+    ``hessian``, ``vmap``) run through fused attention, activation checkpointing and
+    in-place buffer writes, which torch's own transforms refuse.
+
+    What changes inside the block, and only there:
+
+    - ``F.scaled_dot_product_attention`` (also inside ``nn.MultiheadAttention`` and
+      ``nn.TransformerEncoderLayer``) runs on torch's math kernel (``sdpa_kernel``), which
+      has forward-AD and double-backward rules; the fused CPU/CUDA kernels have neither.
+      Each direct call's output gets the memory layout (strides) the user's kernel would
+      have given it, so code that ``.view``-s it keeps working. Values agree with the fused
+      kernel to roundoff; attention dropout draws differently from the fused kernel.
+    - ``torch.utils.checkpoint.checkpoint`` (both variants) runs its function inline: the
+      same values, no recompute, the memory of the model without checkpointing.
+    - For each module in ``modules``: while a ``torch.func`` transform runs it, every
+      buffer of the module and its children is a fresh copy made inside the transform,
+      so in-place writes (BatchNorm running statistics, counters, caches) go to the copies
+      and are dropped: the transform sees the forward's values and the module's buffers
+      are left as they were. Calls outside a transform write the buffers as usual.
+
+    On exit the attention kernel selection, ``torch.utils.checkpoint`` and the modules'
+    hooks are restored, also when the block raises. The first two are process-wide
+    settings: other threads see them while the block runs.
+
+    Example::
+
+        with lp.transform_safe():
+            out, tangent = torch.func.jvp(
+                lambda q: F.scaled_dot_product_attention(q, q, q), (q,), (v,))
+    """
+    for m in modules:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(
+                f"transform_safe: got a {type(m).__name__}; pass the nn.Module(s) whose "
+                "buffers are written in place during forward, or nothing"
+            )
     user = _cur_sdpa_kernel_backends()
     with sdpa_kernel(SDPBackend.MATH), _AttentionLayout(user), inline_checkpoint():
+        with _fresh_buffers(modules):
+            yield
+
+
+@contextmanager
+def _fresh_buffers(modules: tuple[torch.nn.Module, ...]) -> Iterator[None]:
+    """Under a ``torch.func`` transform, each of ``modules`` computes on copies of its
+    buffers (made inside the transform, so torch.func may write them)."""
+    stacks: dict[int, list[list]] = {}
+
+    def pre(root: torch.nn.Module, args: Any) -> None:
+        saved: list = []
+        if torch._C._functorch.maybe_current_level() is not None:
+            for mod in root.modules():
+                for name, b in mod._buffers.items():
+                    if b is not None:
+                        saved.append((mod, name, b))
+                        mod._buffers[name] = b.clone()
+        stacks.setdefault(id(root), []).append(saved)
+
+    def post(root: torch.nn.Module, args: Any, out: Any) -> None:
+        for mod, name, b in reversed(stacks[id(root)].pop()):
+            mod._buffers[name] = b
+
+    handles = []
+    try:
+        for m in dict.fromkeys(modules):
+            handles.append(m.register_forward_pre_hook(pre))
+            handles.append(m.register_forward_hook(post, always_call=True))
         yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def in_backward() -> bool:

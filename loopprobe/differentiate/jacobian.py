@@ -352,6 +352,39 @@ class VisitJacobian:
                 return torch.stack([self.vjp_one(u, m) for u, m in zip(U, masks, strict=True)])
             return vmap(self.vjp_one, randomness="same", chunk_size=chunk_size)(U, masks)
 
+    def linear_operator(self, ks: Sequence[int], chunk_size: int | None = None) -> Any:
+        """``sum_{k in ks} U_k`` (visits of one sublayer) as a
+        ``scipy.sparse.linalg.LinearOperator``, shape ``(F.numel(), n_j)``, float64 numpy
+        in and out: ``matvec``/``matmat`` are :meth:`matvec` (one vmapped JVP for all
+        columns), ``rmatvec``/``rmatmat`` are :meth:`rmatvec` (the one VJP graph)."""
+        import numpy as np
+        from scipy.sparse.linalg import LinearOperator
+
+        self.vjp_fn()
+        assert self.F0 is not None
+        m, n = self.F0.numel(), self.n[ks[0]]
+        mask = self.masks([ks])
+
+        def tensor(X: Any, rows: int) -> torch.Tensor:  # (rows, k) numpy -> (k, rows)
+            X = np.asarray(X, dtype=np.float64).reshape(rows, -1)
+            return torch.from_numpy(X.T.copy()).to(self.dtype).to(self.device)
+
+        def matmat(X: Any) -> Any:
+            V = tensor(X, n)
+            V = torch.nn.functional.pad(V, (0, self.n_max - n))
+            U = self.matvec(V, mask.repeat(len(V), 1), chunk_size)
+            return U.double().cpu().numpy().T
+
+        def rmatmat(Y: Any) -> Any:
+            U = tensor(Y, m)
+            W = self.rmatvec(U, mask.repeat(len(U), 1), chunk_size)[:, :n]
+            return W.double().cpu().numpy().T
+
+        return LinearOperator(
+            (m, n), matvec=matmat, rmatvec=rmatmat, matmat=matmat, rmatmat=rmatmat,
+            dtype=np.float64,
+        )  # fmt: skip
+
     def transpose_all(self, u: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``U_i^T u`` for every selected visit i, flattened (one backward)."""
         fn = self.vjp_fn()

@@ -17,6 +17,8 @@ the VJP graph is built once and reused by every iteration. No dense Jacobian is 
 Each iteration checks ``<U^T U v, v> = ||U v||^2``: a mismatch means forward-mode
 tangents and the backward graph disagree (a ``no_grad`` region after a visit, or
 randomness that the seed does not control) and raises instead of returning a number.
+:func:`sensitivity_operators` hands the same products to other tools: every ``U`` as a
+``scipy.sparse.linalg.LinearOperator`` (``svds``, ``eigsh``, curvature libraries).
 Reference: seed 002, Eq. 11-12 and Assumption 3.1.
 """
 
@@ -262,6 +264,62 @@ def sensitivity_norms(
         visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys,
         problems, basis,
     )  # fmt: skip
+
+
+def sensitivity_operators(
+    probe: Probe,
+    inputs: Any,
+    *,
+    forward: Forward | None = None,
+    output: Output | None = None,
+    visits: Sequence[Visit] | None = None,
+    seed: int | None = 0,
+    chunk_size: int | None = None,
+) -> dict[tuple[str, int | str], Any]:
+    """Every per-visit map ``U_{r,j}`` and every tied map ``sum_r U_{r,j}`` as a
+    ``scipy.sparse.linalg.LinearOperator``, for tools that take one (``svds``, ``eigsh`` on
+    ``U^T U``, ``lsqr``, curvature and spectrum libraries).
+
+    Keys: ``(sublayer, r)`` for the visit r of a sublayer, ``(sublayer, "tied")`` for the
+    sum over its included visits (every sublayer has one). Each operator has shape
+    ``(F.numel(), n_j)`` and dtype float64, takes and returns numpy arrays, and computes in
+    the model's dtype: ``op @ v`` (``matvec``/``matmat``) is ``U v``, one JVP vmapped over
+    the columns, ``op.T @ u`` (``rmatvec``/``rmatmat``) is ``U^T u`` through one VJP graph
+    shared by all operators, the products :func:`sensitivity_norms` iterates on (so
+    ``svds(op, k=1)`` gives its ``||U||``). ``visits``, ``forward``, ``output``, ``seed``:
+    as in :func:`sensitivity_norms`; ``chunk_size`` bounds how many columns one vmapped
+    product carries (default from free memory; ``0`` one at a time). With DDP
+    (``probe.ranks``) an operator is this process's block of the global one.
+    Raises ``RuntimeError`` when F at zero offsets is not the model's output (the
+    operators would not be the model's). Reference: seed 002, Eq. 11.
+
+    Example::
+
+        ops = lp.sensitivity_operators(lp.attach(model), x)
+        top = scipy.sparse.linalg.svds(ops[("block", 0)], k=1, return_singular_vectors=False)
+    """
+    call = "sensitivity_operators"
+    if visits is None:
+        every = probe.visits(inputs, forward=forward, output=output, seed=seed)
+        visits = [v for v in every if v.grad_visible]
+    visits = list(visits)
+    if not visits:
+        raise ValueError(
+            f"{call}: no visit is gradient-visible from F; check output= (F must depend on "
+            "the looped sublayers with gradient enabled)"
+        )
+    jac = VisitJacobian(probe, inputs, visits, forward=forward, output=output, seed=seed, call=call)
+    jac.vjp_fn()
+    if jac.problems:
+        raise RuntimeError(f"{call}: " + "; ".join(jac.problems))
+    chunk_size = auto_chunk_size(jac, jac.n_max) if chunk_size is None else chunk_size
+    out: dict[tuple[str, int | str], Any] = {}
+    for k, v in enumerate(visits):
+        out[(v.sublayer, v.r)] = jac.linear_operator([k], chunk_size)
+    for j in sorted({v.j for v in visits}):
+        mine = [k for k, v in enumerate(visits) if v.j == j]
+        out[(visits[mine[0]].sublayer, "tied")] = jac.linear_operator(mine, chunk_size)
+    return out
 
 
 def _operators(visits: Sequence[Visit]) -> tuple[list[list[int]], list[tuple[str, int]]]:

@@ -8,7 +8,8 @@ first step and after each one, a fixed probe batch is run through the visit reco
 state ``h_N`` are compared with step 0. Rows, one per (N, seed, step, sublayer, visit,
 quantity):
 
-- ``increment``: RMS of the visit's output (the residual increment);
+- ``increment``: RMS of the visit's output (the residual increment; column ``value``,
+  and its mean absolute entry in ``l1``, as mup records);
 - ``increment_change``: RMS of (output at this step - output at step 0);
 - ``state`` / ``state_change``: the same for the final state ``h_N`` (sublayer ``h_N``).
 
@@ -22,6 +23,7 @@ Example::
     cc = lp.experiments.reference_coord_check(["pre:1/sqrt(N)", "pre:1/N"], Ns=[1, 2, 4, 8])
     cc.flatness()                                     # log-log slope over N per group
     cc.plot("pre:1/N", "state_change").savefig("cc.png")
+    mup.coord_check.plot_coord_data(cc.to_mup("pre:1/N"), x="width")  # mup's own figure
 """
 
 from __future__ import annotations
@@ -117,6 +119,47 @@ class CoordCheck:
         title = f"Coordinate check across N: {quantity}" + (f" ({scheme})" if scheme else "")
         return plots.coord_check(df, y="value", col="step", hue="group", title=title, **kw)
 
+    def to_mup(self, scheme: str | None = None, *, change: bool = False) -> pd.DataFrame:
+        """The rows in the format of mup's ``get_coord_data``, for
+        ``mup.coord_check.plot_coord_data(df)``: columns ``width`` (here N, the swept size;
+        mup allows any notion of width), ``module`` (a group of :meth:`plot_frame`:
+        ``<role> first``/``last``, the same visit at every N, and ``h_N``), ``t`` (from 1:
+        ``t = step + 1``, the forward after ``t - 1`` updates, when mup's hooks record),
+        ``l1`` (mean ``|x|``), ``l2`` (RMS), ``optimizer`` and ``lr``, one row per seed as in
+        mup, plus ``N``, ``seed``, ``sublayer``, ``r``.
+
+        ``change=False``: the activations (visit outputs and ``h_N``), as mup records;
+        ``change=True``: their change since step 0 (``t = step``, from the first update).
+        ``scheme``: which scheme's rows, needed when there are several. Diverged rows are
+        left out (they stay in :meth:`to_frame`).
+        """
+        call = "CoordCheck.to_mup"
+        if "l1" not in self.rows:
+            raise ValueError(
+                f"{call}: the rows have no 'l1' column (recorded by an older loopprobe, e.g. "
+                "read from a cache); run the coord check again with a fresh cache_dir"
+            )
+        schemes = sorted(set(self.rows["scheme"])) if "scheme" in self.rows else []
+        if scheme is None and len(schemes) > 1:
+            raise ValueError(
+                f"{call}: the rows hold {len(schemes)} schemes {schemes}; pick one with "
+                "scheme=..., mup's plot draws one parameterization at a time"
+            )
+        parts = []
+        for name in ("increment", "state"):
+            df = self.plot_frame(f"{name}_change" if change else name, scheme)
+            parts.append(df[~df["diverged"]])
+        df = pd.concat(parts, ignore_index=True)
+        t = df["step"] if change else df["step"] + 1
+        return pd.DataFrame(
+            {
+                "width": df["N"], "module": df["group"], "t": t.astype(int), "l1": df["l1"],
+                "l2": df["value"], "optimizer": self.config.get("optimizer"),
+                "lr": self.config.get("lr"), "N": df["N"], "seed": df["seed"],
+                "sublayer": df["sublayer"], "r": df["r"],
+            }
+        ).sort_values(["width", "seed", "t", "module"], ignore_index=True)  # fmt: skip
+
     def flatness(self, quantity: str = "state_change", step: int | None = None) -> pd.DataFrame:
         """Log-log slope of the seed-mean value over N per (scheme, group) at one step.
 
@@ -210,9 +253,12 @@ def _pair(base: dict, who: dict, name: str, now: torch.Tensor, ref: torch.Tensor
     size, change = _rms(now), _rms(now - ref)
     bad = div or not (math.isfinite(size) and math.isfinite(change))
     return [
-        {**base, **who, "quantity": name, "value": size, "diverged": bad},
-        {**base, **who, "quantity": f"{name}_change", "value": change, "diverged": bad},
-    ]
+        {**base, **who, "quantity": name, "value": size, "l1": _l1(now), "diverged": bad},
+        {
+            **base, **who, "quantity": f"{name}_change", "value": change,
+            "l1": _l1(now - ref), "diverged": bad,
+        },
+    ]  # fmt: skip
 
 
 def _places(names: list[str]) -> list[tuple[str, str]]:
@@ -248,6 +294,10 @@ def _role(name: str) -> str:
 
 def _rms(t: torch.Tensor) -> float:
     return float(t.detach().double().pow(2).mean().sqrt())
+
+
+def _l1(t: torch.Tensor) -> float:
+    return float(t.detach().double().abs().mean())
 
 
 # --------------------------------------------------------------------------- sweeps
@@ -443,4 +493,4 @@ def _reference_cell(cfg: dict) -> list[dict]:
     )
 
 
-_reference_cell.version = 2
+_reference_cell.version = 3  # 3: rows carry l1
