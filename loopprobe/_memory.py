@@ -19,6 +19,13 @@ few times that of a plain forward+backward. Then ``chunk = budget // per_operato
 at least 1; when every operator fits the answer is ``None`` (one batch, no chunking).
 Chunking never changes the numbers, only how many operators ``torch.vmap`` carries at
 once. When the free memory cannot be read the budget is ``max(4 * A, 1 GiB)``.
+
+Why not psutil: ``psutil.virtual_memory().available`` is the same ``MemAvailable`` on Linux
+(equal to the byte on the machine this was written on), but it ignores cgroup limits
+(psutil issue 2100, open): inside a container it reports the host's free memory, the case
+:func:`_cgroup_room` is here for. psutil would only add the free memory on macOS and
+Windows, where the budget falls back to the bounded ``max(4 * A, 1 GiB)``; it is not a
+dependency of torch, numpy or pandas, so it would be one more compiled package for that.
 """
 
 from __future__ import annotations

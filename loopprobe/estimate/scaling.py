@@ -37,6 +37,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import minimize, nnls
 
+from loopprobe._threads import blas_threads
 from loopprobe.estimate.scaling_law import (
     BOX,
     DELTA,
@@ -48,7 +49,6 @@ from loopprobe.estimate.scaling_law import (
     _theta_of,
     check_runs,
     objective,
-    one_blas_thread,
 )
 
 # ------------------------------------------------------------------------- fitting
@@ -179,7 +179,7 @@ def _best(X, free, fixed_theta, starts, restarts, seed, target, options, rescale
         points += linear_starts(X, fixed_theta, free, informed)
     points += [rng.uniform(lo, hi) for _ in range(restarts)]
     found = []
-    with one_blas_thread():
+    with blas_threads(1):
         for p0 in points:
             th, f, res = _minimize(p0, X, free, fixed_theta, target, opts, scale)
             if np.all(np.isfinite(th)) and np.isfinite(f):

@@ -7,10 +7,7 @@ on log loss). :mod:`loopprobe.estimate.scaling` fits it. Definitions: docs/defin
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,35 +26,7 @@ BOX = {
 DELTA = 1e-3
 TIGHT = {"ftol": 1e-15, "gtol": 1e-10, "maxiter": 10_000, "maxfun": 20_000}
 
-# ------------------------------------------------------------------------- BLAS threads
-
-
-@contextlib.contextmanager
-def one_blas_thread() -> Iterator[None]:
-    """Run the block with OpenBLAS at one thread (this thread only), then restore.
-
-    scipy's L-BFGS-B calls BLAS on vectors of length 6; with OpenBLAS's default threads
-    each call spins up workers, which made every iteration ~25x slower on a loaded 2-core
-    machine (4 ms vs 0.15 ms). No-op where no OpenBLAS with a thread-local setter is loaded.
-    """
-    setters = []
-    try:
-        with open("/proc/self/maps") as fh:
-            libs = {ln.split()[-1] for ln in fh if "openblas" in ln.lower() and ".so" in ln}
-    except OSError:
-        libs = set()
-    for path in sorted(libs):
-        with contextlib.suppress(OSError, AttributeError):
-            setters.append(ctypes.CDLL(path).openblas_set_num_threads_local)
-    previous = [f(1) for f in setters]
-    try:
-        yield
-    finally:
-        for f, n in zip(setters, previous, strict=True):
-            f(n)
-
-
-# ------------------------------------------------------------------------- data
+# ------------------------------------------------------------------------- the runs
 
 
 def check_runs(df: Any, call: str = "fit_recurrence_law") -> pd.DataFrame:
