@@ -1,19 +1,22 @@
-"""Rendering: the terminal summary and ``index.html``, from results.json and the CSVs."""
+"""Rendering: the terminal summary and ``index.html`` (a Jinja2 template, ``templates/``)."""
 
 from __future__ import annotations
 
-import html
+import functools
 import math
 import pathlib
 import shlex
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN, summary_lines
+
+if TYPE_CHECKING:
+    import jinja2
 
 
 def _fmt(v: Any) -> str:
@@ -63,21 +66,6 @@ def _status_line(results: dict, status: str) -> str | None:
     return f"{status.upper()} ({'an error' if status == 'failed' else 'does not apply'}): {why}"
 
 
-_CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;max-width:1100px;margin:2em auto;
-padding:0 1em;color:#222;line-height:1.45}
-h1{margin-bottom:.2em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:2em}
-.meta,.question{color:#555} .question{font-style:italic}
-table.tbl{border-collapse:collapse;font-size:.85em;margin:.6em 0 1.2em}
-table.tbl th,table.tbl td{border:1px solid #ddd;padding:.25em .6em;text-align:right}
-table.tbl th{background:#f4f4f4} figure{margin:1em 0 2em} figure img{max-width:100%;
-border:1px solid #eee} figcaption{font-size:.9em;color:#444}
-code,pre{background:#f6f8fa;font-size:.8em} pre{padding:.5em;overflow-x:auto;white-space:pre-wrap}
-.skipped{color:#8a6d3b} .failed{color:#a94442} .ok{color:#2b6e2b} nav a{margin-right:1em}
-.scroll{overflow-x:auto}
-"""
-
-
 def _html_table(df: pd.DataFrame) -> str:
     return df.to_html(
         index=False,
@@ -92,69 +80,41 @@ def _html_table(df: pd.DataFrame) -> str:
 _VERDICT_CLASS = {HOLDS: "ok", FAILS: "failed", UNKNOWN: "skipped"}
 
 
+@functools.cache
+def _template() -> jinja2.Template:
+    """``templates/index.html``, autoescaped; an undefined name raises instead of printing ''."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("loopprobe.report", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    return env.get_template("index.html")
+
+
 def render_html(results: dict, outdir: pathlib.Path) -> str:
-    """index.html from results.json and the CSVs: tables, linked PNGs, the commands."""
-    e = html.escape
-    parts = [
-        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>loopprobe report</title><style>{_CSS}</style></head><body>",
-        "<h1>loopprobe report</h1>",
-        f"<p class='meta'>{e(results['model'])} · loopprobe {e(results['loopprobe_version'])}"
-        f" · {e(results['created'])}<br>reproduce everything: "
-        f"<code>{e(results['command'])}</code> · data: <a href='results.json'>results.json</a>"
-        "</p><nav>",
-    ]
-    for key, entry in results["sections"].items():
-        st = entry["status"]
-        mark = "" if st == "ok" else f" <span class='{st}'>({st})</span>"
-        parts.append(f"<a href='#{key}'>{e(key)}</a>{mark}")
-    parts.append("</nav>")
-    if results.get("verdicts"):
-        items = "".join(
-            f"<li class='{_VERDICT_CLASS[v['verdict']]}'>"
-            f"<b>{e(v['verdict'])}</b> — {e(v['claim'])}: {e(v['measured'])} "
-            f"(expected {e(v['expected'])}{'; ' + e(v['why']) if v['why'] else ''})</li>"
-            for v in results["verdicts"]
-        )
-        parts.append(f"<h2 id='verdicts'>Verdicts</h2><ul class='verdicts'>{items}</ul>")
-    for status, meaning in (("failed", "raised an error"), ("skipped", "do not apply")):
-        keys = [k for k, v in results["sections"].items() if v["status"] == status]
-        if keys:
-            head = f"{len(keys)} section(s) {meaning}"
-            parts.append(f"<p class='{status}'><b>{head}</b>: {e(', '.join(keys))}</p>")
-    for key, entry in results["sections"].items():
-        parts += [
-            f"<h2 id='{key}'>{e(entry['title'])}</h2>",
-            f"<p class='question'>{e(entry.get('question', ''))}</p>",
-        ]
-        if entry["status"] != "ok":
-            status = entry["status"]
-            parts.append(f"<p class='{status}'><b>{status}</b>: {e(str(entry['reason']))}</p>")
-            continue
-        for table in entry["tables"]:
-            parts += [
-                f"<p><b>{e(table['caption'])}</b></p>",
-                "<div class='scroll'>" + _html_table(pd.read_csv(outdir / table["csv"])) + "</div>",
-            ]
-        parts += [f"<p class='meta'>note: {e(note)}</p>" for note in entry["notes"]]
-        for fig in entry["figures"]:
-            parts.append(_html_figure(fig))
-        csvs = " ".join(f"<a href='{e(f)}'>{e(f)}</a>" for f in entry["csv"].values())
-        parts.append(f"<p class='meta'>tidy data: {csvs} · {entry['runtime_s']:.0f} s</p>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
+    """index.html from results.json and the CSVs: tables, linked PNGs, the commands.
 
+    A Jinja2 template with autoescaping (``templates/index.html``): every string from
+    ``results`` is escaped there; the tables are pandas HTML with their cells escaped.
+    """
+    from markupsafe import Markup
 
-def _html_figure(fig: dict) -> str:
-    e = html.escape
-    if fig.get("png") is None:
-        return f"<p class='failed'>figure failed: {e(fig['error'])}</p>"
-    return (
-        f"<figure><img src='{e(fig['png'])}' alt='{e(fig['caption'])}'>"
-        f"<figcaption>{e(fig['caption'])}<pre>"
-        f"# recompute the data:\n{e(fig['recompute'])}\n"
-        f"# redraw from the saved CSV, no recompute:\n{e(fig['replot'])}</pre>"
-        "</figcaption></figure>"
+    sections = results["sections"]
+    by_status = {
+        s: [k for k, v in sections.items() if v["status"] == s] for s in ("failed", "skipped")
+    }
+    tables = {
+        t["csv"]: Markup(_html_table(pd.read_csv(outdir / t["csv"])))
+        for entry in sections.values()
+        if entry["status"] == "ok"
+        for t in entry["tables"]
+    }
+    return _template().render(
+        r=results, by_status=by_status, tables=tables, verdict_class=_VERDICT_CLASS
     )
 
 
