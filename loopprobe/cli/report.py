@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         bad = [s for s in sections if s not in keys]
         raise ValueError(f"--sections: unknown {bad}; choose from {','.join(keys)}")
     report.check_out_dir(args.out)  # before any computation
+    _check_plots()
     cfg = report.ReportConfig.quick() if args.quick else report.ReportConfig()
     user = None
     if args.model is not None:
@@ -136,3 +137,15 @@ def run(args: argparse.Namespace) -> int:
     )
     failed = [k for k, s in results["sections"].items() if s["status"] == "failed"]
     return 1 if failed else 0
+
+
+def _check_plots() -> None:
+    """The report draws figures: say so before any work when the plots extra is missing."""
+    import importlib.util
+
+    missing = [m for m in ("matplotlib", "seaborn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(
+            f"the report draws figures and needs {' and '.join(missing)}: "
+            "pip install 'loopprobe[plots]'"
+        )

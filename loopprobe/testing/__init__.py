@@ -2,50 +2,76 @@
 
 ``import loopprobe.testing as lpt``: the checks (``lpt.check_*``) need neither pytest nor
 hypothesis; ``lpt.configs``/``lpt.settings`` need hypothesis (``pip install
-loopprobe[testing]``) and are imported on first use. The pytest plugin
-(``loopprobe.testing.plugin``, registered as an entry point) gives fixtures and applies the
-``--loopprobe-profile`` settings to property tests that use this module.
+loopprobe[testing]``). Every name is imported on first use, so that the pytest plugin
+(``loopprobe.testing.plugin``, registered as an entry point and loaded by every pytest run
+where loopprobe is installed) imports no torch until a test uses it. The plugin gives
+fixtures and applies the ``--loopprobe-profile`` settings to property tests that use this
+module.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from loopprobe.testing.checks import (
-    check_bound,
-    check_bound_slope,
-    check_first_order_change,
-    check_fixed_point_contracts,
-    check_increment_growth,
-    check_kappa_in_range,
-    check_probe_leaves_model_unchanged,
-    check_updates_sum_to_tied_gradient,
+_CHECKS = (
+    "check_updates_sum_to_tied_gradient",
+    "check_kappa_in_range",
+    "check_probe_leaves_model_unchanged",
+    "check_first_order_change",
+    "check_bound",
+    "check_bound_slope",
+    "check_increment_growth",
+    "check_fixed_point_contracts",
 )
-
-CHECKS = (
-    check_updates_sum_to_tied_gradient,
-    check_kappa_in_range,
-    check_probe_leaves_model_unchanged,
-    check_first_order_change,
-    check_bound,
-    check_bound_slope,
-    check_increment_growth,
-    check_fixed_point_contracts,
-)
-
 _LAZY = ("configs", "settings", "Config", "mean_square_loss", "reference_batch", "PROFILES")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
+    """Import a name's module on first use (PEP 562) and keep the name here."""
+    if name in _CHECKS:
+        value = getattr(importlib.import_module("loopprobe.testing.checks"), name)
+    elif name == "CHECKS":
+        checks = importlib.import_module("loopprobe.testing.checks")
+        value = tuple(getattr(checks, c) for c in _CHECKS)
+    elif name in _LAZY:
         try:
-            from loopprobe.testing import strategies
+            strategies = importlib.import_module("loopprobe.testing.strategies")
         except ImportError as exc:  # pragma: no cover - exercised without hypothesis
             raise ImportError(
                 f"loopprobe.testing.{name} needs hypothesis: pip install 'loopprobe[testing]'"
             ) from exc
-        return getattr(strategies, name)
-    raise AttributeError(f"module 'loopprobe.testing' has no attribute {name!r}")
+        value = getattr(strategies, name)
+    else:
+        raise AttributeError(f"module 'loopprobe.testing' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
-__all__ = [*(c.__name__ for c in CHECKS), *_LAZY, "CHECKS"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+__all__ = [*_CHECKS, *_LAZY, "CHECKS"]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
+    from loopprobe.testing.checks import (  # noqa: F401 - the names __getattr__ loads
+        check_bound,
+        check_bound_slope,
+        check_first_order_change,
+        check_fixed_point_contracts,
+        check_increment_growth,
+        check_kappa_in_range,
+        check_probe_leaves_model_unchanged,
+        check_updates_sum_to_tied_gradient,
+    )
+    from loopprobe.testing.strategies import (  # noqa: F401
+        PROFILES,
+        Config,
+        configs,
+        mean_square_loss,
+        reference_batch,
+        settings,
+    )
+
+    CHECKS: tuple = ()

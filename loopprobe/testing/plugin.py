@@ -11,7 +11,11 @@ property tests of a looped model family.
 - fixture ``lp_one_thread``: torch runs on one thread during the test (restored after);
   tiny models are several times faster so.
 
-Loads without hypothesis installed (then only the fixtures are offered).
+pytest loads this module in every run where loopprobe is installed, so it costs nothing
+until a test uses it: it imports neither torch, pandas nor hypothesis itself. The profile
+is applied only when the collected modules had imported hypothesis and loopprobe.testing,
+with hypothesis's public ``settings(...)`` decorator (which refuses a test that has its
+own). Loads without hypothesis installed (then only the fixtures are offered).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,29 +43,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _uses_lpt(module: object) -> bool:
+    """Whether a test module names loopprobe.testing or something defined in it."""
     lpt = sys.modules.get("loopprobe.testing")
     if lpt is None or module is None:
         return False
     for value in vars(module).values():
-        if value is lpt or getattr(value, "__module__", "").startswith("loopprobe.testing"):
+        if value is lpt or str(getattr(value, "__module__", "")).startswith("loopprobe.testing"):
             return True
     return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    try:
-        from loopprobe.testing.strategies import settings
-    except ImportError:  # no hypothesis: nothing to set
+    if "hypothesis" not in sys.modules:  # no collected module uses hypothesis: nothing to set
         return
-    chosen = settings(config.getoption("--loopprobe-profile"))
+    tests = []
     for item in items:
         fn = getattr(item, "obj", None)
-        if not getattr(fn, "is_hypothesis_test", False):
-            continue
-        if getattr(fn, "_hypothesis_internal_settings_applied", False):
-            continue  # the test states its own settings
-        if _uses_lpt(getattr(item, "module", None)):
-            fn._hypothesis_internal_use_settings = chosen
+        if getattr(fn, "is_hypothesis_test", False) and _uses_lpt(getattr(item, "module", None)):
+            tests.append(getattr(fn, "__func__", fn))  # a method's function carries settings
+    if not tests:
+        return
+    from hypothesis.errors import InvalidArgument
+
+    from loopprobe.testing.strategies import settings
+
+    chosen = settings(config.getoption("--loopprobe-profile"))
+    for fn in tests:
+        with contextlib.suppress(InvalidArgument):  # the test states its own settings
+            chosen(fn)
 
 
 @pytest.fixture
@@ -79,6 +91,9 @@ def lp_unchanged():
 
 @pytest.fixture
 def lp_one_thread() -> Iterator[None]:
+    """torch on one thread during the test (the caller's thread count restored after)."""
+    import torch
+
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
