@@ -260,7 +260,6 @@ def test_a_diagnostic_mapping_runs_each_on_every_nth_scheduled_step():
         ({"diagnostics": ["kapa"]}, ValueError, r"choose one or more of \['updates'"),
         ({"diagnostics": "kappa"}, TypeError, r"diagnostics=\['kappa'\]"),
         ({"diagnostics": {"kappa": 0}}, ValueError, "integer n >= 1"),
-        ({"loss_fn": None}, ValueError, "need loss_fn=lambda output, inputs"),
         ({"loss_fn": 3}, TypeError, "loss_fn must be callable"),
         ({"every": 2, "schedule": [1]}, ValueError, "every= or schedule=, not both"),
         ({"every": 0}, ValueError, "integer >= 1"),

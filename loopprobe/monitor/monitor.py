@@ -35,12 +35,20 @@ Diagnostics (names for ``diagnostics=``), cheapest first; the default is the che
 - ``"bound"``: ``C``, ``C_first``, ``dF_true``, ``dF_first``, ``prediction`` of
   :func:`loopprobe.bound_check` (reuses the step's kappa report when there is one).
 
+Safe to leave on: a diagnostic that raises (increments a model's layout leaves undecided, a
+loss that cannot be taken) becomes one row ``quantity="<name>_failed"`` with value NaN,
+``converged=False`` and the error in ``reason``, plus one warning per diagnostic; the
+training loop never sees the exception unless ``strict=True``. ``budget=`` caps the share of
+wall time the monitor takes (see :class:`Monitor`). ``state_dict``/``load_state_dict``
+carry the frame and the schedule's phase across a resumed run.
+
 Reference: seed 002, Eq. 11-14 (G, U, kappa, C); docs/definitions.md §3-4 (increments, rho).
 """
 
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -81,8 +89,8 @@ __all__ = [
 ]
 
 DIAGNOSTICS = ("updates", "increments", "kappa", "sensitivity", "rho", "bound")
-NEEDS_LOSS = ("updates", "kappa", "bound")
 CALL = "Monitor"
+_clock = time.perf_counter  # the budget's clock (module level, so a test can replace it)
 
 
 def dense_early(until: int = 100, early_every: int = 10, late_every: int = 100) -> Callable:
@@ -109,31 +117,46 @@ class _Context:
     report: AlignmentReport | None = None
     rows: list[dict] = field(default_factory=list)
 
-    def add(self, quantity: str, value: float, sublayer=None, visit=None, converged=None):
+    def add(self, quantity, value, sublayer=None, visit=None, converged=None, reason=None):
         ok = None if converged is None else bool(converged)
+        why = (reason or None) if ok is False else None  # the estimator's why, if it failed
         row = dict(sublayer=sublayer, visit=visit, quantity=quantity, converged=ok)
-        self.rows.append({"step": self.step, **row, "value": float(value)})
+        self.rows.append({"step": self.step, **row, "value": float(value), "reason": why})
+
+    def failed(self, name: str, err: Exception) -> None:
+        """The row a diagnostic that raised leaves: NaN, not converged, the error as reason."""
+        row = dict(sublayer=None, visit=None, quantity=f"{name}_failed", converged=False)
+        why = f"{type(err).__name__}: {err}"
+        self.rows.append({"step": self.step, **row, "value": math.nan, "reason": why})
 
 
 class Monitor:
     """Per-visit diagnostics of ``model`` on the probe batch ``inputs``, on a schedule.
 
-    ``loss_fn(output, inputs)`` is the training loss on the probe batch (needed by
-    ``updates``, ``kappa`` and ``bound``); ``forward``/``output`` as in
-    :func:`loopprobe.visit_alignment`. ``diagnostics``: names from the module docstring,
-    or a mapping ``{name: n}`` that runs ``name`` on every n-th scheduled step (e.g.
-    ``{"updates": 1, "kappa": 10}``). When to run: ``every=k`` (steps divisible by k), or
-    ``schedule=`` a callable ``step -> bool`` or an iterable of steps (see
-    :func:`dense_early`). ``sinks``: objects with ``write(step, rows)`` (see
-    :mod:`loopprobe.monitor.sinks`) or plain callables taking a flat metrics dict
-    (``wandb.log``). ``update``: what G is (``"sgd"``, ``"adam"``, ``"adamw"`` or the
-    training optimizer, whose state is read, never written). ``options``: keyword
-    arguments per diagnostic, passed to its estimator (``{"kappa": {"max_iter": 50}}``).
-    ``seed``: torch's RNG seed inside every estimate (the training RNG is never advanced).
-    The model is probed in the mode it is in: in training mode dropout is on, with the
-    same masks (from ``seed``) for every estimate of a step.
-    ``on_error``: ``"raise"`` (default) or ``"warn"`` (the step's other diagnostics still
-    run; the error is kept in :attr:`errors`).
+    ``inputs``: a tensor, a tuple of positional arguments, or a mapping such as a Hugging
+    Face ``BatchEncoding`` (called as ``model(**inputs)``). ``loss_fn(output, inputs)`` is
+    the training loss on the probe batch (used by ``updates``, ``kappa`` and ``bound``);
+    ``None`` (default): the scalar ``.loss`` the model returns itself (a Hugging Face model
+    given ``labels``). ``forward``/``output`` as in :func:`loopprobe.visit_alignment`.
+    ``diagnostics``: names from the module docstring, or a mapping ``{name: n}`` that runs
+    ``name`` on every n-th scheduled step (e.g. ``{"updates": 1, "kappa": 10}``). When to
+    run: ``every=k`` (steps divisible by k), or ``schedule=`` a callable ``step -> bool`` or
+    an iterable of steps (see :func:`dense_early`). ``budget``: the largest share of wall
+    time (since the first :meth:`step` call) the monitor may take, e.g. ``0.05``; a
+    scheduled step whose turn comes while the monitor's time so far exceeds ``budget`` times
+    the time elapsed is skipped (listed in :attr:`skipped`), so the share stays within
+    ``budget`` plus one call's cost over the elapsed time. ``sinks``: objects with
+    ``write(step, rows)`` (see :mod:`loopprobe.monitor.sinks`) or plain callables taking a
+    flat metrics dict (``wandb.log``). ``update``: what G is (``"sgd"``, ``"adam"``,
+    ``"adamw"`` or the training optimizer, whose state is read, never written).
+    ``options``: keyword arguments per diagnostic, passed to its estimator
+    (``{"kappa": {"max_iter": 50}}``). ``seed``: torch's RNG seed inside every estimate (the
+    training RNG is never advanced). The model is probed in the mode it is in: in training
+    mode dropout is on, with the same masks (from ``seed``) for every estimate of a step.
+    ``strict``: ``False`` (default) turns a diagnostic that raises into a ``<name>_failed``
+    row (NaN, ``converged=False``, the error in ``reason``; the error also in
+    :attr:`errors`) and warns once per diagnostic, while the step's other diagnostics run;
+    ``True`` raises. ``on_error``: the former spelling (``"raise"``: strict, ``"warn"``).
     """
 
     def __init__(
@@ -147,12 +170,14 @@ class Monitor:
         diagnostics: Sequence[str] | Mapping[str, int] = ("updates", "increments"),
         every: int | None = None,
         schedule: Callable[[int], bool] | Iterable[int] | None = None,
+        budget: float | None = None,
         sinks: Sequence[Any] = (),
         update: Any = "sgd",
         options: Mapping[str, Mapping[str, Any]] | None = None,
         sublayers: Sequence[str] | None = None,
         seed: int = 0,
-        on_error: str = "raise",
+        strict: bool | None = None,
+        on_error: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{CALL}: model must be an nn.Module, got {type(model).__name__}")
@@ -161,12 +186,9 @@ class Monitor:
         self.diagnostics = _diagnostics(diagnostics)
         self.options = _options(options, self.diagnostics)
         if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"{CALL}: loss_fn must be callable (output, inputs) -> scalar")
-        needing = [d for d in self.diagnostics if d in NEEDS_LOSS]
-        if needing and loss_fn is None:
-            raise ValueError(
-                f"{CALL}: diagnostics {needing} need loss_fn=lambda output, inputs: <scalar>; "
-                "pass one, or drop them (diagnostics=('increments',) needs none)"
+            raise TypeError(
+                f"{CALL}: loss_fn must be callable (output, inputs) -> scalar, or None for "
+                "the .loss the model returns itself"
             )
         if "rho" in self.diagnostics and "round" not in self.options["rho"]:
             if not all(callable(getattr(model, a, None)) for a in ("step", "embed")):
@@ -175,14 +197,24 @@ class Monitor:
                     "step/embed round map; pass options={'rho': {'round': lambda model, inputs: "
                     "lp.replay_round(model, inputs, '<module holding one round>')}}"
                 )
-        if on_error not in ("raise", "warn"):
-            raise ValueError(f"{CALL}: on_error={on_error!r}; choose 'raise' or 'warn'")
-        self.on_error = on_error
+        self.strict = _strict(strict, on_error)
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget <= 1
+        ):
+            raise ValueError(
+                f"{CALL}: budget={budget!r}; pass the largest share of wall time the monitor "
+                "may take, a number in (0, 1] (0.05: five percent), or None for no cap"
+            )
+        self.budget = budget
         self._due = _schedule(every, schedule)
         self.sinks: list[Sink] = [as_sink(s, CALL) for s in sinks]
         self.probe = Probe(model, sublayers)
         self.errors: list[tuple[int, str, BaseException]] = []
+        self.skipped: list[int] = []  # scheduled steps left out to keep within the budget
         self._runs = 0  # scheduled steps so far (for the per-diagnostic multipliers)
+        self._warned: set[str] = set()  # diagnostics whose failure was already warned about
+        self._start: float | None = None  # the budget's clock: first step() call, time spent
+        self._spent = 0.0
         self._frames: list[pd.DataFrame] = []
         self._frame: pd.DataFrame | None = None
 
@@ -198,7 +230,13 @@ class Monitor:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"{CALL}.step: step must be an integer >= 0, got {step!r}")
+        now = _clock()
+        if self._start is None:
+            self._start = now
         if not self.due(step):
+            return None
+        if self.budget is not None and self._spent > self.budget * (now - self._start):
+            self.skipped.append(step)
             return None
         ctx = _Context(step)
         if loss is not None:
@@ -212,26 +250,38 @@ class Monitor:
             ctx.add("loss", loss)
         with _untouched(self.model):
             for name, every in self.diagnostics.items():
-                if self._runs % every:
-                    continue
-                try:
-                    _RUN[name](self, ctx)
-                except Exception as err:
-                    if self.on_error == "raise":
-                        raise
-                    self.errors.append((step, name, err))
-                    warnings.warn(
-                        f"{CALL}.step: diagnostic {name!r} failed at step {step}: {err}",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                if self._runs % every == 0:
+                    self._run(name, ctx)
         self._runs += 1
         rows = typed_frame(ctx.rows)
         self._frames.append(rows)
         self._frame = None
         for sink in self.sinks:
             sink.write(step, rows)
+        self._spent += _clock() - now
         return rows
+
+    def _run(self, name: str, ctx: _Context) -> None:
+        """One diagnostic; unless strict, its failure becomes a row (and a first warning)."""
+        kept = len(ctx.rows)
+        try:
+            _RUN[name](self, ctx)
+        except Exception as err:
+            if self.strict:
+                raise
+            del ctx.rows[kept:]  # no half of a diagnostic's numbers
+            self.errors.append((ctx.step, name, err))
+            ctx.failed(name, err)
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(
+                    f"{CALL}.step: diagnostic {name!r} failed at step {ctx.step}: {err}. The "
+                    f"training goes on; this and later failures of {name!r} are rows "
+                    f"quantity={name + '_failed'!r}, converged=False with the error as reason "
+                    "(no further warning); pass strict=True to raise instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     @property
     def frame(self) -> pd.DataFrame:
@@ -241,6 +291,26 @@ class Monitor:
                 pd.concat(self._frames, ignore_index=True) if self._frames else typed_frame([])
             )
         return self._frame
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue this one: the frame's rows and the schedule's
+        phase (scheduled runs so far, for ``{name: n}`` multipliers), as plain Python values
+        (JSON- and ``torch.save``-able); the trainer callbacks save it in their checkpoints."""
+        rows = [{k: _plain(v) for k, v in r.items()} for r in self.frame.to_dict("records")]
+        return {"runs": self._runs, "rows": rows, "skipped": list(self.skipped)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of a monitor of the run being resumed."""
+        if not isinstance(state, Mapping) or not {"runs", "rows"} <= set(state):
+            raise ValueError(
+                f"{CALL}.load_state_dict: expected the dict Monitor.state_dict() returns "
+                f"(keys 'runs', 'rows'), got {type(state).__name__} "
+                f"{sorted(state) if isinstance(state, Mapping) else ''}"
+            )
+        self._runs = int(state["runs"])
+        self.skipped = [int(s) for s in state.get("skipped", [])]
+        self._frames = [typed_frame(list(state["rows"]))] if state["rows"] else []
+        self._frame = None
 
     def close(self) -> None:
         """Close the sinks (flush TensorBoard event files, finish CSV/Parquet files)."""
@@ -265,11 +335,11 @@ def _run_kappa(mon: Monitor, ctx: _Context) -> None:
     kw = mon._kw("kappa", "forward", "output", "seed")
     rep = visit_alignment(mon.probe, mon.inputs, mon.loss_fn, update=mon.update, **kw)
     ctx.report = rep
-    ctx.add("kappa_R", rep.kappa, converged=rep.converged)
-    ctx.add("kappa_bar", rep.kappa_bar, converged=rep.converged)
+    ctx.add("kappa_R", rep.kappa, converged=rep.converged, reason=rep.reason)
+    ctx.add("kappa_bar", rep.kappa_bar, converged=rep.converged, reason=rep.reason)
     for row in rep.sublayers.itertuples():
         ok = bool(row.kappa_ok) and _is_true(getattr(row, "converged", True))
-        ctx.add("kappa", row.kappa, sublayer=row.sublayer, converged=ok)
+        ctx.add("kappa", row.kappa, sublayer=row.sublayer, converged=ok, reason=rep.reason)
     _update_rows(ctx, rep.updates)
     _sensitivity_rows(ctx, rep.sensitivity)
 
@@ -314,13 +384,13 @@ def _sensitivity_rows(ctx: _Context, sens: Sensitivity | None) -> None:
 
 def _run_increments(mon: Monitor, ctx: _Context) -> None:
     inc = increments(mon.probe, mon.inputs, **mon._kw("increments", "forward"))
-    ok = inc.converged
+    ok, why = inc.converged, inc.reason
     for k, v in enumerate(inc.visits):
-        ctx.add("inc_rms", inc.inc_rms[k], sublayer=v.sublayer, visit=v.r, converged=ok)
+        ctx.add("inc_rms", inc.inc_rms[k], v.sublayer, v.r, converged=ok, reason=why)
     for g in inc.group_frame().itertuples():
-        ctx.add("inc_ratio", g.ratio, sublayer=g.group, converged=ok)
-        ctx.add("inc_cos", g.mean_offdiag_cos, sublayer=g.group, converged=ok)
-    ctx.add("growth", inc.growth, converged=ok)
+        ctx.add("inc_ratio", g.ratio, sublayer=g.group, converged=ok, reason=why)
+        ctx.add("inc_cos", g.mean_offdiag_cos, sublayer=g.group, converged=ok, reason=why)
+    ctx.add("growth", inc.growth, converged=ok, reason=why)
 
 
 def _run_rho(mon: Monitor, ctx: _Context) -> None:
@@ -330,7 +400,7 @@ def _run_rho(mon: Monitor, ctx: _Context) -> None:
     rm = build(mon.model, mon.inputs) if build is not None else round_map(mon.model, mon.inputs)
     h = _round_state(rm, at)
     sr = spectral_radius(rm.T, h, **{"k": 2, **opts})
-    ctx.add("rho", sr.value, converged=sr.converged)
+    ctx.add("rho", sr.value, converged=sr.converged, reason=sr.reason)
 
 
 def _round_state(rm: Any, at: str) -> torch.Tensor:
@@ -355,7 +425,7 @@ def _run_bound(mon: Monitor, ctx: _Context) -> None:
     kw = mon._kw("bound", "forward", "output", "seed")
     bc = bound_check(mon.probe, mon.inputs, mon.loss_fn, report=ctx.report, **kw)
     for name in ("C", "C_first", "dF_true", "dF_first", "prediction"):
-        ctx.add(name, getattr(bc, name), converged=bc.converged)
+        ctx.add(name, getattr(bc, name), converged=bc.converged, reason=bc.reason)
 
 
 # kappa first: its report feeds "updates", "sensitivity" and "bound" of the same step.
@@ -388,6 +458,25 @@ def _untouched(model: nn.Module) -> Iterator[None]:
         for p, g in grads:
             if p.grad is not g:
                 p.grad = g
+
+
+def _plain(x: Any) -> Any:
+    """A frame cell as a plain Python value: None for missing, int/float/bool/str else."""
+    if x is None or x is pd.NA:
+        return None
+    return x.item() if hasattr(x, "item") else x
+
+
+def _strict(strict: Any, on_error: Any) -> bool:
+    if on_error is not None and on_error not in ("raise", "warn"):
+        raise ValueError(f"{CALL}: on_error={on_error!r}; choose 'raise' or 'warn' (or strict=)")
+    if strict is not None and not isinstance(strict, bool):
+        raise TypeError(f"{CALL}: strict must be True or False, got {strict!r}")
+    if strict is not None and on_error is not None and strict != (on_error == "raise"):
+        raise ValueError(
+            f"{CALL}: strict={strict} and on_error={on_error!r} disagree; pass strict="
+        )
+    return strict if strict is not None else on_error == "raise"
 
 
 def _is_true(x: Any) -> bool:

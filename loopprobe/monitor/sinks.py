@@ -32,7 +32,7 @@ __all__ = [
     "typed_frame",
 ]
 
-COLUMNS = ["step", "sublayer", "visit", "quantity", "value", "converged"]
+COLUMNS = ["step", "sublayer", "visit", "quantity", "value", "converged", "reason"]
 HEATMAPS = ("G_norm", "U_norm")
 
 
@@ -40,7 +40,9 @@ def typed_frame(rows: list[dict]) -> pd.DataFrame:
     """The monitor's long frame from row dicts: columns :data:`COLUMNS`, fixed dtypes."""
     df = pd.DataFrame(rows, columns=COLUMNS)
     types = {"step": "int64", "sublayer": "object", "visit": "Int64", "quantity": "object"}
-    return df.astype({**types, "value": "float64", "converged": "boolean"})
+    df = df.astype({**types, "value": "float64", "converged": "boolean", "reason": "object"})
+    df["reason"] = df["reason"].where(df["reason"].notna(), None)  # None where converged
+    return df
 
 
 class Sink:
@@ -235,5 +237,7 @@ def read_frame(path: str | pathlib.Path) -> pd.DataFrame:
     """A :class:`FileSink` file back as the monitor's frame (same columns and types)."""
     path = pathlib.Path(path)
     df = pd.read_parquet(path) if path.suffix.lower() == ".parquet" else pd.read_csv(path)
-    df["sublayer"] = df["sublayer"].astype(object).where(df["sublayer"].notna(), None)
+    for col in ("sublayer", "reason"):  # a CSV reads None back as NaN
+        if col in df:
+            df[col] = df[col].astype(object).where(df[col].notna(), None)
     return typed_frame(df.to_dict("records"))
