@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_monitor_integrations import Tokens, tiny_albert  # the same tiny ALBERT and data
 from torch import nn
 
 import loopprobe as lp
@@ -20,33 +21,6 @@ import loopprobe.monitor.monitor as monitor_module
 from loopprobe.monitor.monitor import Monitor
 
 # ----------------------------------------------------------------------------- Hugging Face
-
-
-def tiny_albert():
-    import transformers
-
-    cfg = transformers.AlbertConfig(
-        vocab_size=32,
-        embedding_size=8,
-        hidden_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
-    torch.manual_seed(0)
-    return transformers.AlbertForMaskedLM(cfg)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int = 8) -> None:
-        self.ids = torch.randint(0, 32, (n, 8), generator=torch.Generator().manual_seed(3))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 IDS = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(4))

@@ -190,16 +190,7 @@ def sensitivity_norms(
     call = "sensitivity_norms"
     if method not in ("auto", "power", "lanczos"):
         raise ValueError(f"{call}: method={method!r}; choose 'auto', 'power' or 'lanczos'")
-    if visits is None:
-        every = probe.visits(inputs, forward=forward, output=output, seed=seed)
-        visits = [v for v in every if v.grad_visible]
-    visits = list(visits)
-    if not visits:
-        raise ValueError(
-            f"{call}: no visit is gradient-visible from F; check output= (F must depend on "
-            "the looped sublayers with gradient enabled)"
-        )
-    jac = VisitJacobian(probe, inputs, visits, forward=forward, output=output, seed=seed, call=call)
+    visits, jac = _visible_jacobian(probe, inputs, visits, forward, output, seed, call)
     ops, keys = _operators(visits)
     masks = jac.masks(ops)
     if method == "auto":
@@ -299,16 +290,7 @@ def sensitivity_operators(
         top = scipy.sparse.linalg.svds(ops[("block", 0)], k=1, return_singular_vectors=False)
     """
     call = "sensitivity_operators"
-    if visits is None:
-        every = probe.visits(inputs, forward=forward, output=output, seed=seed)
-        visits = [v for v in every if v.grad_visible]
-    visits = list(visits)
-    if not visits:
-        raise ValueError(
-            f"{call}: no visit is gradient-visible from F; check output= (F must depend on "
-            "the looped sublayers with gradient enabled)"
-        )
-    jac = VisitJacobian(probe, inputs, visits, forward=forward, output=output, seed=seed, call=call)
+    visits, jac = _visible_jacobian(probe, inputs, visits, forward, output, seed, call)
     jac.vjp_fn()
     if jac.problems:
         raise RuntimeError(f"{call}: " + "; ".join(jac.problems))
@@ -320,6 +302,21 @@ def sensitivity_operators(
         mine = [k for k, v in enumerate(visits) if v.j == j]
         out[(visits[mine[0]].sublayer, "tied")] = jac.linear_operator(mine, chunk_size)
     return out
+
+
+def _visible_jacobian(probe, inputs, visits, forward, output, seed, call) -> tuple:
+    """The visits measured (default: the gradient-visible ones) and their VisitJacobian."""
+    if visits is None:
+        every = probe.visits(inputs, forward=forward, output=output, seed=seed)
+        visits = [v for v in every if v.grad_visible]
+    visits = list(visits)
+    if not visits:
+        raise ValueError(
+            f"{call}: no visit is gradient-visible from F; check output= (F must depend on "
+            "the looped sublayers with gradient enabled)"
+        )
+    jac = VisitJacobian(probe, inputs, visits, forward=forward, output=output, seed=seed, call=call)
+    return visits, jac
 
 
 def _operators(visits: Sequence[Visit]) -> tuple[list[list[int]], list[tuple[str, int]]]:
