@@ -29,7 +29,7 @@ def bare():
 
 @contextmanager
 def no_mode():
-    with ad.sdpa_kernel(ad.SDPBackend.MATH), ad._inline_checkpoint():
+    with ad.sdpa_kernel(ad.SDPBackend.MATH), ad.inline_checkpoint():
         yield
 
 
