@@ -176,3 +176,24 @@ def test_the_report_section_is_skipped_without_cached_cells_and_for_a_user_model
     user = report.UserModel("m:f", None, None, None, "loss")
     with pytest.raises(Skip, match="not a --model diagnostic"):
         reproductions_section(Context(cfg=cfg, user=user))
+
+
+def test_one_seed_gives_no_lr_verdict_however_narrow_its_interval():
+    # one seed: the bootstrap resamples that one seed, so the interval has zero width and
+    # classify() would call it decisively
+    cells = as_predicted(-1.5, 0.0, 0.0)
+    t = lr_drift(cells[cells["seed"] == 0], half_width=4, n_boot=100)
+    assert (t["ci_high"] - t["ci_low"]).max() == pytest.approx(0.0, abs=1e-12)
+    assert list(t["verdict"]) == ["undecided (1 seeds, 4 needed)"] * 3
+    assert lr_claim(t) == "UNDECIDED"
+    t.loc[:, "verdict"] = ["drifts", "stays", "stays"]  # even if the verdicts were decisive
+    assert lr_claim(t) == "UNDECIDED"
+
+
+def test_one_run_per_arm_gives_no_reachability_verdict():
+    runs = reach_runs()
+    one = runs[runs["seed"] == 0]
+    got = dict(zip(*reach_claims(one)[["claim", "verdict"]].T.values, strict=True))
+    a, b = sorted(got)
+    assert got[a] == "undecided (add: 1 runs, internal: 1 runs; 4 needed)"
+    assert got[b] == "undecided (1 reached without recall, 2 with; 4 each needed)"

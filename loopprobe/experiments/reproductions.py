@@ -46,7 +46,8 @@ __all__ = [
 #: moves by log2(1/sqrt 8) = -1.5 octaves under 1/sqrt(N), by 0 under 1/N and loop-mup.
 PREDICTED_DRIFT = {"1/sqrt(N)": -1.5, "1/N": 0.0, "loop-mup": 0.0}
 MARGIN = 0.75  # octaves: half the predicted 1/sqrt(N) drift
-MIN_SEEDS = 4
+MIN_SEEDS = 4  # an optimum's interval from fewer seeds is not a verdict
+MIN_RUNS = 4  # per recall arm (claim A) and per group of reached runs (claim B)
 REACH_HOLDS, REACH_FAILS = 0.85, 0.5  # claim A: reached fraction with outer norm
 NO_DEPENDENCE, DEPENDENCE = 1e-8, 1e-3  # claim B: ||dh*/dx|| in float64
 #: The LR-transfer runs: cells CSV (under docs/data), the vertex window (grid points each
@@ -82,9 +83,11 @@ def lr_drift(
                                    half_width=half_width))  # fmt: skip
     t = pd.concat(rows, ignore_index=True)
     t["verdict"] = [
-        classify(lo, hi, margin) if v >= 0.9 else "undecided (optimum off the grid)"
-        for lo, hi, v in zip(t["ci_low"], t["ci_high"], t["boot_valid"], strict=True)
-    ]
+        f"undecided ({n} seeds, {MIN_SEEDS} needed)" if n < MIN_SEEDS
+        else classify(lo, hi, margin) if v >= 0.9 else "undecided (optimum off the grid)"
+        for lo, hi, v, n in zip(t["ci_low"], t["ci_high"], t["boot_valid"], t["seeds"],
+                                strict=True)
+    ]  # fmt: skip
     t["predicted"] = t["arm"].map(PREDICTED_DRIFT)
     t["below_min_seeds"] = t["seeds"] < MIN_SEEDS
     return t
@@ -92,7 +95,10 @@ def lr_drift(
 
 def lr_claim(table: pd.DataFrame) -> str:
     """``HOLDS`` if 1/sqrt(N) drifts and 1/N and loop-mup stay; ``FAILS`` if 1/sqrt(N)
-    stays or 1/N or loop-mup drifts; else ``UNDECIDED``."""
+    stays or 1/N or loop-mup drifts; else ``UNDECIDED`` (always when an arm has fewer than
+    ``MIN_SEEDS`` seeds: an interval from too few seeds decides nothing)."""
+    if "below_min_seeds" in table and table["below_min_seeds"].astype(bool).any():
+        return "UNDECIDED"
     v = dict(zip(table["arm"], table["verdict"], strict=True))
     stay = [v[r] for r in ("1/N", "loop-mup") if r in v]
     if v.get("1/sqrt(N)") == "stays" or "drifts" in stay:
@@ -168,8 +174,14 @@ def reach_claims(runs: pd.DataFrame) -> pd.DataFrame:
         f"{int((on['recall'] == r).sum())}"
         for r in fracs
     )
+    few = {r: int((on["recall"] == r).sum()) for r in fracs}
+    few = {r: n for r, n in few.items() if n < MIN_RUNS}
     if len(fracs) < 2:
         verdict = "undecided"
+    elif few:
+        verdict = (
+            f"undecided ({', '.join(f'{r}: {n} runs' for r, n in few.items())}; {MIN_RUNS} needed)"
+        )
     elif min(fracs.values()) <= REACH_FAILS:
         verdict = "fails"
     elif min(fracs.values()) >= REACH_HOLDS:
@@ -185,6 +197,9 @@ def reach_claims(runs: pd.DataFrame) -> pd.DataFrame:
     recall = reached & (runs["recall"] != "none")
     if not none.any() or not recall.any():
         verdict = "undecided"
+    elif min(none.sum(), recall.sum()) < MIN_RUNS:
+        verdict = (f"undecided ({int(none.sum())} reached without recall, {int(recall.sum())} "
+                   f"with; {MIN_RUNS} each needed)")  # fmt: skip
     elif (dep[none] <= NO_DEPENDENCE).all() and (dep[recall] > DEPENDENCE).all():
         verdict = "holds"
     else:

@@ -76,7 +76,11 @@ def reproductions_section(ctx: Context) -> Result:
         mapping = {"holds": HOLDS, "fails": FAILS, "undecided": UNKNOWN}
         verdicts += [
             Verdict(
-                "reproductions", r["claim"], mapping[r["verdict"]], r["measured"], r["expected"]
+                "reproductions",
+                r["claim"],
+                mapping.get(r["verdict"], UNKNOWN),
+                r["measured"] if r["verdict"] in mapping else f"{r['measured']}; {r['verdict']}",
+                r["expected"],
             )  # fmt: skip
             for r in claims.to_dict("records")
         ]
