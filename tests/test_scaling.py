@@ -107,6 +107,14 @@ def test_block_bootstrap_resamples_cells_and_brackets_the_estimate(noisy):
     lo, hi = ci["phi"]
     assert lo < fit.params["phi"] < hi and hi - lo < 0.3
     assert len(fit.cells) == 24 and set(fit.cells.columns) >= {"n", "mean", "max_abs", "rmse"}
+    # the stated level: 95 % by default, i.e. the 2.5th and 97.5th percentiles of the refits
+    for i, p in enumerate(("A", "alpha", "B", "beta", "E", "phi")):
+        assert ci[p] == pytest.approx(tuple(np.percentile(draws[:, i], [2.5, 97.5])), rel=1e-12)
+    _, half = sc.block_bootstrap(df, fit, 20, boot_restarts=0, seed=3, level=0.5)
+    assert half["phi"] == pytest.approx(tuple(np.percentile(draws[:, 5], [25, 75])), rel=1e-12)
+    law = sc.fit_recurrence_law(df, bootstrap=8, restarts=1, boot_restarts=0, restricted=False)
+    expect = tuple(np.percentile(law.bootstrap[:, 5], [2.5, 97.5]))
+    assert law.ci["phi"] == pytest.approx(expect, rel=1e-12)  # the public fit's level: 95 %
 
 
 @pytest.mark.parametrize(
