@@ -91,12 +91,28 @@ def tied_sweep(
 
 
 @functools.cache
-def lp_sweep(norm: str, Rs: tuple[int, ...], K: int = 2, seed: int = 0) -> tuple[dict, ...]:
-    """``lp.bound_check`` (one real SGD step, kappa by Lanczos on JVP/VJP) per R, d = 8."""
+def lp_sweep(
+    norm: str,
+    Rs: tuple[int, ...],
+    K: int = 2,
+    seed: int = 0,
+    p: float | None = None,
+    predict_as: str | None = None,
+) -> tuple[dict, ...]:
+    """``lp.bound_check`` (one real SGD step, kappa by Lanczos on JVP/VJP) per R, d = 8.
+
+    ``p``: the exponent of a ``postp`` model. ``predict_as``: compute the prediction with
+    the alpha, beta of this scheme at the same N = K R instead of the model's own (a
+    mis-specified prediction, for a wrong variant); None uses the model's.
+    """
     idx, tgt = tokens(16, 2, 4, seed)
     rows = []
     for R in Rs:
-        model = tiny_gpt(K, R, norm, seed=seed)
+        model = tiny_gpt(K, R, norm, p=p, seed=seed)
+        ab = {}
+        if predict_as is not None:
+            sc = theory.scales(K * R, predict_as)
+            ab = {"alpha": sc.alpha, "beta": sc.beta}
         with lp.attach(model) as probe:
             chk = lp.bound_check(
                 probe,
@@ -106,6 +122,7 @@ def lp_sweep(norm: str, Rs: tuple[int, ...], K: int = 2, seed: int = 0) -> tuple
                 method="lanczos",
                 max_iter=20,
                 tol=1e-8,
+                **ab,
             )
         rows.append(
             {
