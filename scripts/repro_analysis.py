@@ -7,11 +7,13 @@ The criteria and the analysis are loopprobe.experiments.reproductions (shared wi
 report's ``reproductions`` section). LR transfer, per run (1: exploratory, 2: confirmatory):
 per arm the parabola-vertex optimum (log2 lr) at N = 1 and 8, the drift in octaves with its
 95% paired seed-bootstrap interval and the pre-stated verdict (margin 0.75 octave), the claim,
-and the contrast drift(1/sqrt N) - drift(1/N). Reachability: per task x recall x outer norm
-the runs that reached a fixed point, rho and ||dh*/dx|| there, accuracy at R, 2R, 4R, and
-claims A and B. Writes docs/data/lr_transfer_drift{,2}.csv, docs/data/reachability_summary.csv
-and the figures docs/figures/lr_transfer_study{,2}.png, docs/figures/reachability_study.png;
-prints markdown.
+and the contrast drift(1/sqrt N) - drift(1/N), under the pre-stated vertex and two others
+(issue 27), the diverged cells, the N = 8 minus N = 1 loss at each rule's optimum and the
+1/sqrt(N) - 1/N loss gap at N = 8. Reachability: per task x recall x outer norm
+the runs that reached a fixed point, rho and ||dh*/dx|| there, accuracy at R, 2R, 4R,
+claims A and B, and Fisher tests of outer norm and of recall on the reached counts. Writes
+docs/data/lr_transfer_drift{,2}.csv, docs/data/reachability_summary.csv and the figures
+docs/figures/lr_transfer_study{,2}.png, docs/figures/reachability_study.png; prints markdown.
 """
 
 from __future__ import annotations
@@ -27,8 +29,13 @@ from loopprobe.experiments.reproductions import (
     LR_RUNS,
     lr_claim,
     lr_contrast,
+    lr_contrast_sensitivity,
+    lr_divergence,
     lr_drift,
+    lr_loop_cost,
+    lr_rule_gap,
     reach_claims,
+    reach_outer_norm_effect,
     reach_summary,
 )
 
@@ -121,6 +128,18 @@ def main() -> None:
         when = "pre-stated" if spec["contrast_prestated"] else "post hoc"
         print(f"contrast drift(1/sqrt(N)) - drift(1/N) ({when}): {c['contrast']:.3f} "
               f"[{c['ci_low']:.3f}, {c['ci_high']:.3f}] -> {c['verdict']}")  # fmt: skip
+        sens, statement = lr_contrast_sensitivity(lr, half_width=hw)
+        print("contrast under three vertex estimators (issue 27; the same resamples):")
+        print(md(sens))
+        print("->", statement)
+        div = lr_divergence(lr)
+        print(f"diverged: {div['diverged']} of {div['trainings']} trainings ({div['rows']} cells)")
+        print("loss at the optimum (least seed-mean loss on the grid), N = 8 minus N = 1, nats:")
+        print(md(lr_loop_cost(lr)))
+        g = lr_rule_gap(lr)
+        print(f"N = 8: loss(1/sqrt(N)) - loss(1/N) at each rule's best grid lr: {g['gap']:.3f} "
+              f"[{g['ci_low']:.3f}, {g['ci_high']:.3f}] nats ({g['seeds']} seeds, paired; "
+              f"criterion: above 0, stated after the data) -> {g['verdict']}")  # fmt: skip
         wide = lr.pivot_table(index=["arm", "N"], columns="lr", values="loss", aggfunc="mean")
         print(md(wide.reset_index()))
         lr_figure(lr, t, f"{a.figdir}/lr_transfer_study{suffix}.png", hw)
@@ -133,6 +152,8 @@ def main() -> None:
     print("## Reachability")
     print(md(s))
     print(md(reach_claims(reach)))
+    print("Which factor makes a fixed point reachable (two-sided Fisher exact, issue 27):")
+    print(md(reach_outer_norm_effect(reach)))
     reach_figure(reach, f"{a.figdir}/reachability_study.png")
 
 

@@ -41,6 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bootstrap", type=int, default=200, help="resamples (0: no CI)")
     parser.add_argument("--restarts", type=int, default=8, help="random starts per fit")
     parser.add_argument("--seed", type=int, default=0, help="seed of starts and resamples")
+    parser.add_argument(
+        "--max-ci-width", type=float, default=1.0,
+        help="a phi CI wider than this means phi is not identified (default 1)",
+    )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write loss vs N_eff with the law (PNG)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
@@ -63,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
 
     df = _read(args.csv)
     fit = scaling.fit_recurrence_law(
-        df, bootstrap=args.bootstrap, restarts=args.restarts, seed=args.seed
-    )
+        df, bootstrap=args.bootstrap, restarts=args.restarts, seed=args.seed,
+        max_ci_width=args.max_ci_width,
+    )  # fmt: skip
     if args.plot:
         fit.plot().savefig(args.plot, dpi=110)
     per_arch = (
@@ -78,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
         .reset_index()
     )
     report = fit.summary() | {"csv": args.csv, "per_arch": per_arch.to_dict("records")}
+    if not fit.identified:  # the estimate stays available, under a name that says so
+        report["phi_unidentified"] = report.pop("phi")
+        report["phi"] = None
+        if "ci" in report:
+            report["ci_unidentified"] = report.pop("ci")
     if args.plot:
         report["plot"] = args.plot
     return emit(report, args.json, _text)
@@ -85,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _text(rep: dict) -> str:
     ci = rep.get("ci", {}).get("phi")
-    phi = f"phi = {rep['phi']:.3f}" + (f"  95% CI [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+    if rep["identified"]:
+        phi = f"phi = {rep['phi']:.3f}" + (f"  95% CI [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+    else:
+        phi = f"phi not identified: {rep['identification']}"
     lines = [
         f"joint law on {rep['n']} runs: L = E + A (N_once + r^phi N_rec)^-alpha + B D^-beta",
         phi,
@@ -95,7 +108,8 @@ def _text(rep: dict) -> str:
         f"converged = {rep['converged']} ({rep['reason']})",
         "",
     ]
-    rows = [["phi free", f"{rep['phi']:.3f}", f"{rep['alpha']:.3f}", f"{rep['beta']:.3f}",
+    shown = f"{rep['phi']:.3f}" if rep["identified"] else "not identified"
+    rows = [["phi free", shown, f"{rep['alpha']:.3f}", f"{rep['beta']:.3f}",
              f"{rep['E']:.3f}", f"{rep['r2']:.4f}"]]  # fmt: skip
     for name, r in rep.get("restricted", {}).items():
         rows.append([name, f"{r['phi']:.3f}", f"{r['alpha']:.3f}", f"{r['beta']:.3f}",
@@ -104,6 +118,15 @@ def _text(rep: dict) -> str:
     rows = [[a["arch"], str(a["n"]), f"{a['mean']:+.4f}", f"{a['max_abs']:.4f}", f"{a['rmse']:.4f}"]
             for a in rep["per_arch"]]  # fmt: skip
     lines += text_table(["arch", "n", "mean resid", "max |resid|", "RMSE"], rows)
+    if rep.get("per_arch_fits"):
+        rows = [[k, str(f["n"]), f"{f['A']:.4g}", f"{f['alpha']:.3f}", f"{f['B']:.4g}",
+                 f"{f['beta']:.3f}", f"{f['E']:.3f}", f"{f['r2']:.4f}",
+                 "yes" if f["converged"] else "no"]
+                for k, f in rep["per_arch_fits"].items()]  # fmt: skip
+        lines += ["", "per-architecture standard law L = E + A N^-alpha + B D^-beta "
+                  "(N = N_once + N_rec)"]  # fmt: skip
+        lines += text_table(["arch", "n", "A", "alpha", "B", "beta", "E", "R^2", "converged"],
+                            rows)  # fmt: skip
     if rep.get("plot"):
         lines.append(f"plot: {rep['plot']}")
     return "\n".join(lines)

@@ -64,7 +64,14 @@ class LawFit:
     ``cells``: per (budget, arch) cell n, mean, max |resid|, RMSE; ``ci``: 95% block-
     bootstrap intervals (empty without bootstrap); ``converged``/``reason``: the best
     restart stopped on the tolerance, at least two restarts reached the same optimum, and
-    no parameter sits at the paper's box bound (else ``reason`` says which failed).
+    no parameter sits at the paper's box bound (else ``reason`` says which failed);
+    ``edge``: the parameters on their box bound.
+
+    ``identified``/``identification`` (set by :func:`fit_recurrence_law`): False with the
+    reason when the runs cannot pin phi down (fewer than 3 budgets or 3 values of r, a
+    parameter on its box bound, or a phi CI wider than ``max_ci_width``); then phi is a
+    number the data do not determine and should not be reported. ``per_arch``: one
+    standard-law fit (Eq. 2, N = n_once + n_rec) per architecture, as in the paper's Table 1.
     """
 
     form: str
@@ -83,6 +90,10 @@ class LawFit:
     ci: dict = field(default_factory=dict)
     bootstrap: np.ndarray | None = None
     restricted: dict = field(default_factory=dict)
+    edge: list = field(default_factory=list)
+    identified: bool = True
+    identification: str = ""
+    per_arch: dict = field(default_factory=dict)
 
     def plot(self):
         """Loss vs N_eff per architecture (markers: runs; lines: the fitted law per budget)."""
@@ -122,11 +133,15 @@ class LawFit:
             "reason": self.reason,
             "restarts": self.restarts,
             "hits": self.hits,
+            "identified": self.identified,
+            "identification": self.identification,
         }
         if self.ci:
             out["ci"] = {k: [float(lo), float(hi)] for k, (lo, hi) in self.ci.items()}
         if self.restricted:
             out["restricted"] = {k: v.summary() for k, v in self.restricted.items()}
+        if self.per_arch:
+            out["per_arch_fits"] = {k: v.summary() for k, v in self.per_arch.items()}
         return out
 
 
@@ -286,6 +301,8 @@ def fit_law(
         restarts=len(found),
         hits=int(hits),
         n=len(df),
+        edge=[{"a": "A", "b": "B", "e": "E"}.get(NAMES[i], NAMES[i]) for i in free
+              if NAMES[i] in edge],  # fmt: skip
     )
 
 
@@ -298,6 +315,9 @@ def fit_recurrence_law(
     seed: int = 0,
     restricted: bool = True,
     level: float = 0.95,
+    max_ci_width: float = 1.0,
+    per_arch: bool = True,
+    method: str = "cells",
 ) -> LawFit:
     """Fit the joint law (phi free) to runs; block-bootstrap CI; restricted phi = 0 / 1 fits.
 
@@ -305,7 +325,14 @@ def fit_recurrence_law(
     ``loss`` in nats, ``tokens`` the training tokens D, ``budget`` the compute budget
     (it defines the cells with ``arch``, default ``r``). ``bootstrap``: resamples of the
     (budget, arch) cells (0: none); each refit starts from the full-data optimum plus
-    ``boot_restarts`` random points. ``fit.restricted``: ``{"phi=0": ..., "phi=1": ...}``.
+    ``boot_restarts`` random points (``method``: see :func:`block_bootstrap`).
+    ``fit.restricted``: ``{"phi=0": ..., "phi=1": ...}``; ``fit.per_arch``: the standard
+    law fitted to each architecture's runs alone (``per_arch=False``: skip).
+
+    ``fit.identified`` is False, with ``fit.identification`` giving the reason, when the
+    runs span fewer than 3 budgets or 3 values of r, a parameter of the joint fit sits on
+    its box bound, or the phi CI is wider than ``max_ci_width`` (default 1: wider than the
+    whole range from no gain to full equivalence); report "not identified", not phi.
     """
     call = "fit_recurrence_law"
     df = check_runs(df, call)
@@ -320,11 +347,37 @@ def fit_recurrence_law(
             f"phi={v:g}": fit_law(df, fixed={"phi": v}, restarts=restarts, seed=seed, call=call)
             for v in (0.0, 1.0)
         }
+    if per_arch:
+        fit.per_arch = {
+            arch: fit_law(sub.reset_index(drop=True), form="standard", restarts=restarts,
+                          seed=seed, call=call)  # fmt: skip
+            for arch, sub in df.assign(arch=df.arch.iloc[0]).groupby("arch", sort=True)
+        }
     if bootstrap:
         fit.bootstrap, fit.ci = block_bootstrap(
-            df, fit, bootstrap, boot_restarts=boot_restarts, seed=seed, level=level
-        )
+            df, fit, bootstrap, boot_restarts=boot_restarts, seed=seed, level=level,
+            method=method,
+        )  # fmt: skip
+    why = identification(df, fit, max_ci_width)
+    fit.identified, fit.identification = not why, "; ".join(why)
     return fit
+
+
+def identification(df: pd.DataFrame, fit: LawFit, max_ci_width: float = 1.0) -> list[str]:
+    """Why the runs do not identify phi (empty list: identified). See :func:`fit_recurrence_law`."""
+    why = []
+    nb, nr = df["budget"].nunique(), df["r"].nunique()
+    if nb < 3:
+        why.append(f"{nb} budget(s); the law needs at least 3 to separate N_eff from D")
+    if nr < 3:
+        why.append(f"{nr} value(s) of r; phi needs at least 3")
+    if fit.edge:
+        why.append(f"{', '.join(fit.edge)} on the box bound of the fit")
+    if fit.ci and "phi" in fit.ci:
+        lo, hi = fit.ci["phi"]
+        if not hi - lo <= max_ci_width:
+            why.append(f"phi CI [{lo:.2f}, {hi:.2f}] wider than {max_ci_width:g}")
+    return why
 
 
 def block_bootstrap(
@@ -335,20 +388,40 @@ def block_bootstrap(
     boot_restarts: int = 2,
     seed: int = 0,
     level: float = 0.95,
+    method: str = "cells",
+    informed: int = 0,
 ) -> tuple[np.ndarray, dict]:
-    """Resample the (budget, arch) cells with replacement, refit, percentile intervals."""
+    """Bootstrap refits and percentile intervals at ``level``.
+
+    ``method="cells"`` (the paper's, App. F.2): resample the (budget, arch) cells with
+    replacement and refit. ``method="wild"``: keep the design, add to the fitted log loss the
+    fit's log residuals, each cell's residuals multiplied by one Rademacher sign per cell
+    (a wild cluster bootstrap; noise shared within a cell stays shared) and refit. Each refit
+    starts from the full-data optimum, ``boot_restarts`` uniform draws and ``informed``
+    data-informed starts of the resample (:func:`linear_starts`).
+    """
+    if method not in ("cells", "wild"):
+        raise ValueError(f"block_bootstrap: method={method!r}; use 'cells' or 'wild'")
     rng = np.random.default_rng(seed + 1)
-    groups = [idx.to_numpy() for _, idx in df.groupby(["budget", "arch"]).groups.items()]
+    cell_of = df.groupby(["budget", "arch"]).ngroup().to_numpy()
+    groups = [np.flatnonzero(cell_of == c) for c in range(cell_of.max() + 1)]
     X = _design(df)
     free = np.arange(6)
     start = _theta_of(fit.params)
+    logfit = _terms(start, X)[0]
+    logres = X["logy"] - logfit
     draws = []
     for k in range(n):
-        pick = rng.integers(len(groups), size=len(groups))
-        rows = np.concatenate([groups[i] for i in pick])
-        sub = {key: v[rows] for key, v in X.items()}
+        if method == "cells":
+            pick = rng.integers(len(groups), size=len(groups))
+            rows = np.concatenate([groups[i] for i in pick])
+            sub = {key: v[rows] for key, v in X.items()}
+        else:
+            sign = rng.choice([-1.0, 1.0], size=len(groups))[cell_of]
+            logy = logfit + sign * logres
+            sub = dict(X, logy=logy, y=np.exp(logy))
         best = _best(sub, free, np.zeros(6), [start], boot_restarts, seed + 7919 * (k + 1),
-                     "log", None, True, "block_bootstrap")[2]  # fmt: skip
+                     "log", None, True, "block_bootstrap", informed)[2]  # fmt: skip
         a, al, b, be, e, phi = best
         draws.append([math.exp(a), al, math.exp(b), be, math.exp(e), phi])
     draws = np.array(draws)
@@ -358,6 +431,49 @@ def block_bootstrap(
         for i, p in enumerate(("A", "alpha", "B", "beta", "E", "phi"))
     }
     return draws, ci
+
+
+def coverage(
+    datasets: int = 20,
+    *,
+    noise: float = 0.010,
+    cell_noise: float = 0.010,
+    bootstrap: int = 200,
+    boot_restarts: int = 2,
+    method: str = "cells",
+    informed: int = 0,
+    level: float = 0.95,
+    params: dict | None = None,
+    grid: pd.DataFrame | None = None,
+    seed: int = 0,
+    restarts: int = 8,
+) -> pd.DataFrame:
+    """Coverage of the bootstrap CI of phi on runs drawn from a planted law.
+
+    ``datasets`` draws of :func:`loopprobe.experiments.scaling_grid.synthetic_runs` (the
+    paper's 116-run grid and planted law by default; per-run ``noise`` and per-(budget, r)
+    ``cell_noise`` in nats; seeds ``seed .. seed + datasets - 1``); each is fitted and its
+    ``level`` interval checked against the planted phi. One row per dataset: seed, phi_hat,
+    lo, hi, covered, width, seconds. ``out.covered.mean()`` is the coverage.
+    """
+    import time
+
+    from loopprobe.experiments import scaling_grid as sg
+
+    params = sg.planted_params() if params is None else params
+    rows = []
+    for s in range(seed, seed + datasets):
+        t0 = time.perf_counter()
+        df = check_runs(sg.synthetic_runs(params, grid, noise=noise, cell_noise=cell_noise,
+                                          seed=s))  # fmt: skip
+        fit = fit_law(df, restarts=restarts, seed=s, call="coverage")
+        _, ci = block_bootstrap(df, fit, bootstrap, boot_restarts=boot_restarts, seed=s,
+                                level=level, method=method, informed=informed)  # fmt: skip
+        lo, hi = ci["phi"]
+        rows.append({"seed": s, "phi_hat": fit.params["phi"], "lo": lo, "hi": hi,
+                     "covered": bool(lo <= params["phi"] <= hi), "width": hi - lo,
+                     "seconds": time.perf_counter() - t0})  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 # ------------------------------------------------------------------------- a user's model
@@ -378,14 +494,32 @@ class ParamSplit:
     unused: list
 
 
-def _owners(model, norms: bool) -> list[str]:
+#: last name segments of an unembedding (output projection onto the vocabulary)
+UNEMBEDDING = ("lm_head", "unembed", "unembedding", "embed_out")
+
+
+def _unembeddings(model) -> set[str]:
+    """Names of the model's unembedding modules: a last name segment in ``UNEMBEDDING`` or
+    the module a Hugging Face model returns from ``get_output_embeddings()``."""
+    names = {n for n, _ in model.named_modules() if n and n.split(".")[-1] in UNEMBEDDING}
+    get = getattr(model, "get_output_embeddings", None)
+    out = get() if callable(get) else None
+    if out is not None:
+        names |= {n for n, m in model.named_modules() if m is out}
+    return names
+
+
+def _owners(model, norms: bool, unembedding: bool = False) -> list[str]:
     import torch.nn as nn
 
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    unemb = set() if unembedding else _unembeddings(model)
     names = []
     for name, mod in model.named_modules():
         ps = [p for p in mod._parameters.values() if p is not None]
         if not ps or isinstance(mod, nn.Embedding) or any(id(p) in emb_ids for p in ps):
+            continue
+        if name in unemb:
             continue
         if not norms and "norm" in type(mod).__name__.lower():
             continue
@@ -400,22 +534,32 @@ def param_split(
     sublayers: list | None = None,
     exclude: list | None = None,
     norms: bool = False,
+    unembedding: bool = False,
     forward=None,
 ) -> ParamSplit:
     """Fill ``n_once``/``n_rec`` for a model from loopprobe's visit table.
 
     Every module that directly owns parameters is one sublayer (default; or name them with
-    ``sublayers=``), except embeddings (and weights tied to them) and, unless
-    ``norms=True``, normalisation gains (the paper counts 12 d^2 per block and 2 d^2 for
-    the injection, no norms). ``exclude``: more patterns to drop (e.g. ``["lm_head"]``:
-    the paper counts non-embedding parameters without the unembedding). Sublayers visited
-    more than once are recurrent. The model is not changed (see :func:`loopprobe.attach`).
+    ``sublayers=``), except embeddings (and weights tied to them), an untied unembedding
+    (``lm_head``; see ``UNEMBEDDING``) unless ``unembedding=True``, and normalisation gains
+    unless ``norms=True``. That is the paper's accounting (§3.2: N_once = (l_prelude +
+    l_coda) 12 d^2, N_rec = l_recur 12 d^2 + 2 d^2; no embedding, unembedding or norms).
+    ``exclude``: more patterns to drop (a pattern naming only a module already left out,
+    such as ``"lm_head"``, is accepted and ignored). Sublayers visited more than once are
+    recurrent. The model is not changed (see :func:`loopprobe.attach`).
     """
     from loopprobe.record.probe import Probe
 
-    names = list(sublayers) if sublayers is not None else _owners(model, norms)
+    names = list(sublayers) if sublayers is not None else _owners(model, norms, unembedding)
     if not names:
         raise ValueError("param_split: the model has no parameter-owning module to count")
+    if exclude and sublayers is None:  # patterns for modules the default already leaves out
+        from loopprobe.record import discover
+
+        left_out = _unembeddings(model) if not unembedding else set()
+        exclude = [p for p in exclude
+                   if not any(discover.match(p, n) for n in left_out)
+                   or any(discover.match(p, n) for n in names)]  # fmt: skip
     table = Probe(model, sublayers=names, exclude=exclude).visit_table(inputs, forward=forward)
     rec = table[table.visits > 1]
     once = table[table.visits == 1]

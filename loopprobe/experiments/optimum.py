@@ -20,19 +20,35 @@ Example::
     table = drift_interval(df, group="arm", lo=1, hi=8)       # df: arm, N, lr, seed, loss
     table["verdict"] = [classify(a, b, 0.75) for a, b in zip(table.ci_low, table.ci_high)]
     c = contrast_interval(df, "arm", "1/sqrt(N)", "1/N")   # drift(a) - drift(b), paired
+    q = contrast_interval(df, "arm", "1/sqrt(N)", "1/N", estimator=vertex_quartic)
+    gap = best_loss_gap(df, "arm", ("1/sqrt(N)", 8), ("1/N", 8))   # nats, paired
+
+Other vertex estimators (issue 27: the verdict must not hinge on one): ``vertex_quartic``
+(a quartic in log2 lr over every rate: no argmin-chosen window) and ``vertex_fixed`` (a
+parabola over a window fixed in advance, the same for every resample and curve, so a
+resample's argmin cannot move it). Any ``estimator(log2_lr, loss) -> float`` can be passed.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["classify", "contrast_interval", "drift_interval", "seed_matrix", "vertex"]
+__all__ = [
+    "best_loss_gap",
+    "classify",
+    "contrast_interval",
+    "drift_interval",
+    "seed_matrix",
+    "vertex",
+    "vertex_fixed",
+    "vertex_quartic",
+]
 
 
 def vertex(log2_lr: Sequence[float], loss: Sequence[float], half_width: int = 2) -> float:
@@ -64,6 +80,63 @@ def vertex(log2_lr: Sequence[float], loss: Sequence[float], half_width: int = 2)
     return float(v) if xs[0] <= v <= xs[-1] else math.nan
 
 
+def vertex_quartic(log2_lr: Sequence[float], loss: Sequence[float]) -> float:
+    """log2 lr of the minimum of a quartic fitted by least squares to every finite point.
+
+    No window is chosen from the argmin, so a noisy argmin cannot move it. NaN when fewer
+    than six points remain (a quartic through five is an interpolation), or when the
+    quartic's least value over the grid's range is at an end (the optimum is not inside the
+    grid: an extrapolated optimum is not a measurement).
+    """
+    x, y = _finite(log2_lr, loss, "vertex_quartic")
+    if len(x) < 6:
+        return math.nan
+    c = np.polyfit(x, y, 4)
+    r = np.roots(np.polyder(c))
+    r = r.real[(np.abs(r.imag) < 1e-9) & (r.real > x[0]) & (r.real < x[-1])]
+    if not len(r):
+        return math.nan
+    best = r[np.argmin(np.polyval(c, r))]
+    return float(best) if np.polyval(c, best) < np.polyval(c, [x[0], x[-1]]).min() else math.nan
+
+
+def vertex_fixed(
+    log2_lr: Sequence[float], loss: Sequence[float], centre: float, half_width: int = 2
+) -> float:
+    """log2 lr of the vertex of a parabola through the grid point nearest ``centre`` (ties:
+    the lower rate) and up to ``half_width`` grid points each side: the window is fixed by
+    the caller, not by this curve's argmin. NaN as :func:`vertex` (fewer than three finite
+    points in the window, not convex, vertex outside the window)."""
+    x = np.asarray(log2_lr, dtype=float)
+    y = np.asarray(loss, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"vertex_fixed: log2_lr {x.shape} and loss {y.shape} must be equal 1-d "
+                         "shapes")  # fmt: skip
+    if not isinstance(half_width, int) or half_width < 1:
+        raise ValueError(f"vertex_fixed: half_width={half_width!r} must be an integer >= 1")
+    i = int(np.argmin(np.abs(x - centre)))
+    lo, hi = max(0, i - half_width), min(len(x), i + half_width + 1)
+    xs, ys = x[lo:hi], y[lo:hi]
+    ok = np.isfinite(ys)
+    xs, ys = xs[ok], ys[ok]
+    if len(xs) < 3:
+        return math.nan
+    a, b, _ = np.polyfit(xs, ys, 2)
+    if not a > 0:
+        return math.nan
+    v = -b / (2 * a)
+    return float(v) if xs[0] <= v <= xs[-1] else math.nan
+
+
+def _finite(log2_lr, loss, call: str) -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(log2_lr, dtype=float)
+    y = np.asarray(loss, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"{call}: log2_lr {x.shape} and loss {y.shape} must be equal 1-d shapes")
+    ok = np.isfinite(y)
+    return x[ok], y[ok]
+
+
 def seed_matrix(frame: pd.DataFrame, seeds: Sequence) -> tuple[np.ndarray, np.ndarray]:
     """``(log2 lr grid, losses[seed, lr])`` of one curve; missing or diverged cells are NaN."""
     wide = frame.pivot_table(index="seed", columns="lr", values="loss", aggfunc="mean")
@@ -71,11 +144,18 @@ def seed_matrix(frame: pd.DataFrame, seeds: Sequence) -> tuple[np.ndarray, np.nd
     return np.log2(wide.columns.to_numpy(dtype=float)), wide.to_numpy(dtype=float)
 
 
-def _curve_vertices(x: np.ndarray, m: np.ndarray, draws: np.ndarray, half_width: int):
+def _draw_means(m: np.ndarray, draws: np.ndarray) -> np.ndarray:
     with warnings.catch_warnings():  # an lr column with no finite seed: mean NaN, dropped
         warnings.simplefilter("ignore", RuntimeWarning)
-        means = np.nanmean(m[draws], axis=1)  # (n_draws, n_lr)
-    return np.array([vertex(x, row, half_width) for row in means])
+        return np.nanmean(m[draws], axis=1)  # (n_draws, n_lr)
+
+
+def _curve_vertices(x: np.ndarray, m: np.ndarray, draws: np.ndarray, half_width: int,
+                    estimator: Callable | None = None):  # fmt: skip
+    means = _draw_means(m, draws)
+    if estimator is None:
+        return np.array([vertex(x, row, half_width) for row in means])
+    return np.array([estimator(x, row) for row in means])
 
 
 def _draws(frame: pd.DataFrame, group: str, Ns: Sequence[int], n_boot: int, seed: int,
@@ -98,13 +178,14 @@ def _draws(frame: pd.DataFrame, group: str, Ns: Sequence[int], n_boot: int, seed
     return sub, seeds, draws
 
 
-def _vertices(sub, group, level_value, seeds, draws, Ns, half_width) -> dict[int, np.ndarray]:
+def _vertices(sub, group, level_value, seeds, draws, Ns, half_width,
+              estimator=None) -> dict[int, np.ndarray]:  # fmt: skip
     """Per N: the vertex of one group level's seed-mean curve, per draw."""
     g = sub[sub[group] == level_value]
     out = {}
     for N in Ns:
         x, m = seed_matrix(g[g["N"] == N], seeds)
-        out[N] = _curve_vertices(x, m, draws, half_width)
+        out[N] = _curve_vertices(x, m, draws, half_width, estimator)
     return out
 
 
@@ -125,18 +206,20 @@ def drift_interval(
     level: float = 0.95,
     half_width: int = 2,
     seed: int = 0,
+    estimator: Callable[[np.ndarray, np.ndarray], float] | None = None,
 ) -> pd.DataFrame:
     """Per ``group``: optimum at N = lo and N = hi, drift in octaves and its bootstrap interval.
 
     ``frame`` has columns ``group, N, lr, seed, loss`` (a diverged cell: loss NaN). Seeds
     are those present in every curve. Columns: ``group, seeds, opt_lo, opt_hi`` (log2 lr),
     ``drift``, ``ci_low``, ``ci_high``, ``boot_valid`` (fraction of resamples where both
-    vertices exist; the interval is over those).
+    vertices exist; the interval is over those). ``estimator(log2_lr, loss)`` replaces
+    :func:`vertex` (``half_width`` is then unused).
     """
     sub, seeds, draws = _draws(frame, group, (lo, hi), n_boot, seed, level, "drift_interval")
     rows = []
     for level_value in sub[group].unique():
-        v = _vertices(sub, group, level_value, seeds, draws, (lo, hi), half_width)
+        v = _vertices(sub, group, level_value, seeds, draws, (lo, hi), half_width, estimator)
         d = v[hi] - v[lo]
         ci_low, ci_high, valid = _interval(d, n_boot, level)
         rows.append({group: level_value, "seeds": len(seeds), "opt_lo": v[lo][0],
@@ -157,16 +240,65 @@ def contrast_interval(
     level: float = 0.95,
     half_width: int = 2,
     seed: int = 0,
+    estimator: Callable[[np.ndarray, np.ndarray], float] | None = None,
 ) -> dict[str, float]:
     """``drift(a) - drift(b)`` in octaves with one paired seed bootstrap (the same resample
-    for both levels of ``group``): ``{"contrast", "ci_low", "ci_high", "boot_valid", "seeds"}``."""
+    for both levels of ``group``): ``{"contrast", "ci_low", "ci_high", "boot_valid", "seeds"}``.
+    ``estimator(log2_lr, loss)`` replaces :func:`vertex` (e.g. :func:`vertex_quartic`)."""
     frame = frame[frame[group].isin([a, b])] if group in frame else frame
     sub, seeds, draws = _draws(frame, group, (lo, hi), n_boot, seed, level, "contrast_interval")
-    v = [_vertices(sub, group, x, seeds, draws, (lo, hi), half_width) for x in (a, b)]
+    v = [_vertices(sub, group, x, seeds, draws, (lo, hi), half_width, estimator) for x in (a, b)]
     c = (v[0][hi] - v[0][lo]) - (v[1][hi] - v[1][lo])
     ci_low, ci_high, valid = _interval(c, n_boot, level)
     return {"contrast": float(c[0]), "ci_low": ci_low, "ci_high": ci_high,
             "boot_valid": valid, "seeds": len(seeds)}  # fmt: skip
+
+
+def best_loss_gap(
+    frame: pd.DataFrame,
+    group: str,
+    a: tuple[Any, int],
+    b: tuple[Any, int],
+    *,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict[str, float]:
+    """``best(a) - best(b)`` in nats, ``a`` and ``b`` being ``(group level, N)`` curves.
+
+    The *loss at the optimum* of a curve is the least seed-mean loss over its lr grid (each
+    rule at its own best grid rate; no fitted vertex, so no estimator choice). The interval
+    is a percentile bootstrap over seeds, the same resample for both curves (paired):
+    ``{"gap", "ci_low", "ci_high", "best_a", "best_b", "lr_a", "lr_b", "seeds"}`` (``lr_*``:
+    the sample's best grid rate). Bias: a minimum over a noisy grid sits a little below the
+    curve's true minimum, by about the same for both curves when their noise is alike.
+    """
+    frame = frame[frame[group].isin([a[0], b[0]])] if group in frame else frame
+    if not 0 < level < 1:
+        raise ValueError(f"best_loss_gap: level={level!r} must lie in (0, 1)")
+    need = {group, "N", "lr", "seed", "loss"}
+    if missing := need - set(frame.columns):
+        raise ValueError(f"best_loss_gap: frame lacks columns {sorted(missing)}")
+    curves = [frame[(frame[group] == g) & (frame["N"] == n)] for g, n in (a, b)]
+    if empty := [x for x, c in zip((a, b), curves, strict=True) if c.empty]:
+        raise ValueError(f"best_loss_gap: no rows for {empty}")
+    seeds = sorted(set(curves[0]["seed"]) & set(curves[1]["seed"]))
+    S = len(seeds)
+    rng = np.random.default_rng(seed)
+    draws = np.vstack([np.arange(S)[None, :], rng.integers(0, S, size=(n_boot, S))])
+    best, where = [], []
+    for c in curves:
+        x, m = seed_matrix(c, seeds)
+        means = _draw_means(m, draws)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            best.append(np.nanmin(means, axis=1))
+        where.append(float(2 ** x[int(np.nanargmin(means[0]))]))
+    g = best[0] - best[1]
+    lo, hi, _ = _interval(g, n_boot, level)
+    return {"gap": float(g[0]), "ci_low": lo, "ci_high": hi, "best_a": float(best[0][0]),
+            "best_b": float(best[1][0]), "lr_a": where[0], "lr_b": where[1],
+            "seeds": S}  # fmt: skip
 
 
 def classify(ci_low: float, ci_high: float, margin: float) -> str:

@@ -27,10 +27,20 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import pandas as pd
 
-from loopprobe.experiments.optimum import classify, contrast_interval, drift_interval
+from loopprobe.experiments.optimum import (
+    best_loss_gap,
+    classify,
+    contrast_interval,
+    drift_interval,
+    vertex_fixed,
+    vertex_quartic,
+)
 
 __all__ = [
     "LR_RUNS",
@@ -38,7 +48,12 @@ __all__ = [
     "PREDICTED_DRIFT",
     "lr_claim",
     "lr_contrast",
+    "lr_contrast_sensitivity",
+    "lr_divergence",
     "lr_drift",
+    "lr_loop_cost",
+    "lr_rule_gap",
+    "reach_outer_norm_effect",
     "reach_claims",
     "reach_summary",
 ]
@@ -121,24 +136,172 @@ def lr_contrast(
     *,
     half_width: int = 2,
     n_boot: int = 2000,
+    estimator=None,
 ) -> dict:
     """``drift(a) - drift(b)`` with its paired interval and a verdict against half the
     predicted difference: ``differ as predicted`` (interval entirely beyond it),
-    ``do not differ as predicted`` (entirely short of it) or ``undecided``."""
-    cells = _loss_cells(cells)
-    sub = cells[cells["arm"].isin([a, b])]
-    per_seed = sub.groupby("seed").size()
-    full = per_seed[per_seed == per_seed.max()].index
-    out = contrast_interval(sub[sub["seed"].isin(full)], "arm", a, b, n_boot=n_boot,
-                            half_width=half_width, seed=1)  # fmt: skip
+    ``do not differ as predicted`` (entirely short of it) or ``undecided``. ``estimator``:
+    a vertex estimator for :func:`~loopprobe.experiments.optimum.contrast_interval` (default
+    the pre-stated argmin window)."""
+    out = contrast_interval(_full_seeds(cells, [a, b]), "arm", a, b, n_boot=n_boot,
+                            half_width=half_width, seed=1, estimator=estimator)  # fmt: skip
     predicted = PREDICTED_DRIFT[a] - PREDICTED_DRIFT[b]
+    return {**out, "predicted": predicted,
+            "verdict": _contrast_verdict(out["ci_low"], out["ci_high"], predicted)}  # fmt: skip
+
+
+def _full_seeds(cells: pd.DataFrame, arms) -> pd.DataFrame:
+    """The arms' cells (diverged ones NaN) on the seeds with every cell present."""
+    cells = _loss_cells(cells)
+    sub = cells[cells["arm"].isin(list(arms))]
+    per_seed = sub.groupby("seed").size()
+    return sub[sub["seed"].isin(per_seed[per_seed == per_seed.max()].index)]
+
+
+def _contrast_verdict(lo: float, hi: float, predicted: float) -> str:
     half = predicted / 2
-    lo, hi = out["ci_low"], out["ci_high"]
     beyond = hi < half if predicted < 0 else lo > half
     short = lo > half if predicted < 0 else hi < half
-    verdict = "differ as predicted" if beyond else "do not differ as predicted" if short else (
+    return "differ as predicted" if beyond else "do not differ as predicted" if short else (
         "undecided")  # fmt: skip
-    return {**out, "predicted": predicted, "verdict": verdict}
+
+
+#: Issue 27: the contrast's verdict under three vertex estimators. ``argmin window`` is the
+#: pre-stated one (parabola through the argmin of each resample's curve +- half_width grid
+#: points); ``quartic`` fits all rates; ``fixed window`` is a parabola over +- half_width grid
+#: points around the argmin of the *pooled* sample curve (both arms, N = 1 and 8, every
+#: seed): one window for every curve and resample, so no argmin can move it.
+VERTEX_ESTIMATORS = ("argmin window (pre-stated)", "quartic", "fixed window")
+MIN_BOOT_VALID = 0.9  # as lr_drift: fewer resamples with a vertex is "optimum off the grid"
+
+
+def lr_contrast_sensitivity(
+    cells: pd.DataFrame,
+    a: str = "1/sqrt(N)",
+    b: str = "1/N",
+    *,
+    half_width: int = 2,
+    n_boot: int = 2000,
+) -> tuple[pd.DataFrame, str]:
+    """The contrast ``drift(a) - drift(b)`` under each of :data:`VERTEX_ESTIMATORS` (the same
+    paired seed resamples as :func:`lr_contrast`), and which conclusion holds under all.
+
+    Table columns: ``estimator, window, contrast, ci_low, ci_high, boot_valid, verdict``
+    (as :func:`lr_contrast`; ``undecided (no vertex in k % of resamples)`` when fewer than
+    90 % have one) and ``excludes_bound`` (the interval excludes the predicted contrast, -1.5
+    for 1/sqrt(N) against 1/N). The statement names the conclusions that hold under every
+    estimator and those that hinge on the estimator.
+    """
+    sub = _full_seeds(cells, [a, b])
+    sub = sub[sub["N"].isin([1, 8])]
+    pooled = sub.groupby("lr")["loss"].mean()
+    centre = float(np.log2(pooled.idxmin()))
+    n_lr = sub["lr"].nunique()
+    estimators = {
+        VERTEX_ESTIMATORS[0]: (None, f"argmin ± {half_width} points"),
+        VERTEX_ESTIMATORS[1]: (vertex_quartic, f"all {n_lr} rates"),
+        VERTEX_ESTIMATORS[2]: (functools.partial(vertex_fixed, centre=centre,
+                                                 half_width=half_width),
+                               f"log2 lr {centre:+.2f} ± {half_width} points"),
+    }  # fmt: skip
+    predicted = PREDICTED_DRIFT[a] - PREDICTED_DRIFT[b]
+    rows = []
+    for name, (est, window) in estimators.items():  # the same resamples (seed 1) for each
+        c = lr_contrast(cells, a, b, half_width=half_width, n_boot=n_boot, estimator=est)
+        verdict = c["verdict"] if c["boot_valid"] >= MIN_BOOT_VALID else (
+            f"undecided (no vertex in {1 - c['boot_valid']:.0%} of resamples)")  # fmt: skip
+        excl = c["ci_low"] > predicted if predicted < 0 else c["ci_high"] < predicted
+        excl = bool(excl and c["boot_valid"] >= MIN_BOOT_VALID)
+        rows.append({"estimator": name, "window": window, "contrast": c["contrast"],
+                     "ci_low": c["ci_low"], "ci_high": c["ci_high"],
+                     "boot_valid": c["boot_valid"], "verdict": verdict,
+                     "excludes_bound": excl})  # fmt: skip
+    t = pd.DataFrame(rows)
+    conclusions = {
+        f"the predicted contrast {predicted:+.1f} is excluded": t["excludes_bound"],
+        "the rules do not differ as predicted": t["verdict"] == "do not differ as predicted",
+        "the rules differ as predicted": t["verdict"] == "differ as predicted",
+    }
+    every = [k for k, v in conclusions.items() if v.all()]
+    some = [f"{k} ({' and '.join(t.loc[v, 'estimator'])} only)" for k, v in conclusions.items()
+            if v.any() and not v.all()]  # fmt: skip
+    statement = (f"under every vertex estimator: {'; '.join(every) if every else 'nothing'}"
+                 + (f"; estimator-dependent: {'; '.join(some)}" if some else ""))  # fmt: skip
+    return t, statement
+
+
+def lr_divergence(cells: pd.DataFrame) -> dict[str, int]:
+    """Rows, distinct trainings (a repeated cell, same K, N, lr, seed and bit-identical
+    losses, as 1/N's N = 1 cells repeat 1/sqrt(N)'s, counts once) and how many diverged
+    (flagged, or a non-finite loss)."""
+    bad = ~np.isfinite(cells["loss"].to_numpy(dtype=float))
+    if "diverged" in cells:
+        bad |= cells["diverged"].astype(bool).to_numpy()
+    key = [c for c in ("K", "N", "lr", "seed", "loss", "train_loss") if c in cells]
+    distinct = ~cells.duplicated(subset=key)
+    return {"rows": len(cells), "trainings": int(distinct.sum()),
+            "diverged": int((bad & distinct.to_numpy()).sum())}  # fmt: skip
+
+
+def lr_loop_cost(cells: pd.DataFrame, lo: int = 1, hi: int = 8, *, n_boot: int = 2000):
+    """Per arm: the loss at its optimum at N = hi minus at N = lo, in nats, paired over seeds
+    (:func:`~loopprobe.experiments.optimum.best_loss_gap`: the least seed-mean loss on the
+    grid). Columns ``arm, seeds, best_lo, best_hi, lr_lo, lr_hi, gap, ci_low, ci_high``;
+    positive: more loops train worse."""
+    rows = []
+    for arm in cells["arm"].unique():
+        g = best_loss_gap(_full_seeds(cells, [arm]), "arm", (arm, hi), (arm, lo),
+                          n_boot=n_boot, seed=1)  # fmt: skip
+        rows.append({"arm": arm, "seeds": g["seeds"], "best_lo": g["best_b"],
+                     "best_hi": g["best_a"], "lr_lo": g["lr_b"], "lr_hi": g["lr_a"],
+                     "gap": g["gap"], "ci_low": g["ci_low"], "ci_high": g["ci_high"]})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def lr_rule_gap(
+    cells: pd.DataFrame, a: str = "1/sqrt(N)", b: str = "1/N", N: int = 8, *, n_boot: int = 2000
+) -> dict:
+    """Seed 004's "1/N gives a better loss than 1/sqrt(N)": ``best(a) - best(b)`` at N loops
+    in nats, each rule at its best grid lr, paired over seeds. Criterion (stated after the
+    data, issue 27): ``b better`` if the 95 % interval lies above 0, ``a better`` if below,
+    else ``undecided``."""
+    g = best_loss_gap(_full_seeds(cells, [a, b]), "arm", (a, N), (b, N), n_boot=n_boot, seed=1)
+    verdict = f"{b} better" if g["ci_low"] > 0 else f"{a} better" if g["ci_high"] < 0 else (
+        "undecided")  # fmt: skip
+    return {**g, "N": N, "verdict": verdict}
+
+
+ALPHA = 0.05  # two-sided Fisher exact test on reached counts (issue 27, stated after the data)
+
+
+def reach_outer_norm_effect(runs: pd.DataFrame) -> pd.DataFrame:
+    """Which factor makes a fixed point reachable, from the reached counts (Fisher's exact
+    test, two-sided): outer norm on against off (every task and recall), and recall (add and
+    internal) against none with outer norm on. Columns ``comparison, with, without, p,
+    verdict``: ``differs`` (p < ALPHA), ``no difference detected`` (p >= ALPHA: not evidence
+    of no difference) or ``undecided (k runs, MIN_RUNS needed)``."""
+    from scipy.stats import fisher_exact
+
+    reached = runs["converged"].astype(bool)
+    outer = runs["outer_norm"].astype(bool)
+    recall = runs["recall"] != "none"
+    rows = []
+    for name, yes, no in (
+        ("outer norm on vs off", outer, ~outer),
+        ("with outer norm: recall (add, internal) vs none", outer & recall, outer & ~recall),
+    ):
+        k1, n1, k0, n0 = int(reached[yes].sum()), int(yes.sum()), int(reached[no].sum()), int(
+            no.sum())  # fmt: skip
+        if min(n1, n0) < MIN_RUNS:
+            p, verdict = math.nan, f"undecided ({min(n1, n0)} runs, {MIN_RUNS} needed)"
+        else:
+            p = float(fisher_exact([[k1, n1 - k1], [k0, n0 - k0]])[1])
+            verdict = "differs" if p < ALPHA else "no difference detected"
+        rows.append({"comparison": name, "with": f"{k1}/{n1}", "without": f"{k0}/{n0}",
+                     "frac_with": k1 / n1 if n1 else math.nan,
+                     "frac_without": k0 / n0 if n0 else math.nan, "p": p,
+                     "verdict": verdict})  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def reach_summary(runs: pd.DataFrame) -> pd.DataFrame:

@@ -18,8 +18,13 @@ from loopprobe.experiments.reproductions import (
     PREDICTED_DRIFT,
     lr_claim,
     lr_contrast,
+    lr_contrast_sensitivity,
+    lr_divergence,
     lr_drift,
+    lr_loop_cost,
+    lr_rule_gap,
     reach_claims,
+    reach_outer_norm_effect,
     reach_summary,
 )
 from loopprobe.report.config import Context, Result, Skip
@@ -51,6 +56,8 @@ def reproductions_section(ctx: Context) -> Result:
     tables: list[tuple[str, pd.DataFrame]] = []
     verdicts: list[Verdict] = []
     notes = [f"cached cells: {data}"]
+    divs: list[dict] = []
+    tested = None
     for run in found:
         spec = LR_RUNS[run]
         cells = pd.read_csv(data / spec["cells"])
@@ -65,7 +72,21 @@ def reproductions_section(ctx: Context) -> Result:
             f" ({'pre-stated' if spec['contrast_prestated'] else 'post hoc'}: "
             f"{contrast['verdict']})"
         )
-        verdicts += _lr_verdicts(run, table, contrast, spec["contrast_prestated"])
+        sens, statement = lr_contrast_sensitivity(cells, half_width=spec["half_width"])
+        tables.append((f"LR transfer, run {run}: the contrast under three vertex estimators",
+                       sens))  # fmt: skip
+        notes.append(f"LR transfer run {run}, contrast: {statement}")
+        verdicts += _lr_verdicts(run, table, contrast, spec["contrast_prestated"], sens)
+        divs.append(lr_divergence(cells))
+        cost = lr_loop_cost(cells)
+        tables.append((f"LR transfer, run {run}: loss at the optimum, N = 8 minus N = 1 (nats)",
+                       cost))  # fmt: skip
+        if spec["contrast_prestated"]:
+            tested = (run, cost, sens)
+            verdicts.append(_rule_gap_verdict(run, lr_rule_gap(cells)))
+    if tested is not None:
+        div = {k: sum(d[k] for d in divs) for k in ("rows", "trainings", "diverged")}
+        notes.append(_what_was_tested(*tested, div=div, runs=len(divs)))
     if reach_path.exists():
         runs = pd.read_csv(reach_path)
         summary = reach_summary(runs)
@@ -73,6 +94,10 @@ def reproductions_section(ctx: Context) -> Result:
         frames["reachability"] = summary
         tables.append(("Fixed-point reachability per task, recall and outer norm", summary))
         tables.append(("Reachability claims", claims))
+        effect = reach_outer_norm_effect(runs)
+        tables.append(("Reachability: which factor makes a fixed point reachable (Fisher)",
+                       effect))  # fmt: skip
+        verdicts += _reach_effect_verdicts(effect)
         mapping = {"holds": HOLDS, "fails": FAILS, "undecided": UNKNOWN}
         verdicts += [
             Verdict(
@@ -93,7 +118,71 @@ def reproductions_section(ctx: Context) -> Result:
     )
 
 
-def _lr_verdicts(run: int, table: pd.DataFrame, contrast: dict, prestated: bool) -> list:
+def _ci(lo: float, hi: float, digits: int = 2) -> str:
+    return f"[{lo:+.{digits}f}, {hi:+.{digits}f}]"
+
+
+def _what_was_tested(run: int, cost: pd.DataFrame, sens: pd.DataFrame, *, div: dict,
+                     runs: int) -> str:  # fmt: skip
+    """Issue 27's scope statement for the LR-transfer claim, from the figures: divergence over
+    every run's cells, the loop cost and the contrast's sensitivity from the pre-stated run."""
+    c = cost.set_index("arm")
+    losses = "; ".join(f"{a} {r['gap']:+.2f} {_ci(r['ci_low'], r['ci_high'])}"
+                       for a, r in c.iterrows())  # fmt: skip
+    ex = sens["excludes_bound"]
+    bound = "the bound-based prediction (−1.5 oct) is excluded at d 32"
+    if not ex.all():
+        rest = "; ".join(f"{r['estimator']}: {r['verdict']}" for r in sens[~ex].to_dict("records"))
+        bound += f" by the {' and '.join(sens.loc[ex, 'estimator']) or 'no'} vertex only ({rest})"
+    worse = bool((c["ci_low"] > 0).all())
+    untested = div["diverged"] == 0 and worse
+    return (
+        f"LR transfer, what was tested: {div['diverged']} of {div['trainings']} trainings "
+        f"({runs} run{'s' if runs > 1 else ''}, {div['rows']} cells) diverged, so the stability "
+        f"bound behind the −1.5 prediction "
+        f"{'never came into play' if div['diverged'] == 0 else 'was reached'}; in run {run} the "
+        f"loss at the optimum, N = 8 minus N = 1 (nats): {losses} "
+        f"({'worse at every rule' if worse else 'not worse at every rule'}; the paper "
+        f"has loops helping). {'The paper’s claim is untested at this scale; ' if untested else ''}"
+        f"{bound}."
+    )
+
+
+def _rule_gap_verdict(run: int, gap: dict) -> Verdict:
+    v = {"1/N better": HOLDS, "1/sqrt(N) better": FAILS}.get(gap["verdict"], UNKNOWN)
+    return Verdict(
+        "reproductions", f"run {run}, N = {gap['N']}: 1/N gives a lower loss than 1/√N",
+        v, f"loss(1/√N) − loss(1/N) at each rule's best grid lr = {gap['gap']:+.3f} "
+        f"{_ci(gap['ci_low'], gap['ci_high'], 3)} nats, {gap['seeds']} seeds paired "
+        "(paper: 0.025 at L 12)", "95 % interval above 0 (stated after the data, issue 27)",
+        "" if v != UNKNOWN else "the interval contains 0")  # fmt: skip
+
+
+def _reach_effect_verdicts(effect: pd.DataFrame) -> list:
+    out = []
+    r = effect.iloc[0]  # outer norm on vs off
+    v = UNKNOWN if r["verdict"] != "differs" else (
+        HOLDS if r["frac_with"] > r["frac_without"] else FAILS)  # fmt: skip
+    out.append(Verdict("reproductions", "outer norm is what makes fixed points reachable", v,
+                       f"reached with outer norm {r['with']}, without {r['without']}; Fisher "
+                       f"p = {r['p']:.2g}", "more reached with it, two-sided Fisher p < 0.05 "
+                       "(stated after the data, issue 27)",
+                       "" if v != UNKNOWN else r["verdict"]))  # fmt: skip
+    r = effect.iloc[1]  # with outer norm: recall vs none
+    v = FAILS if r["verdict"] == "differs" else UNKNOWN
+    out.append(Verdict("reproductions", "with outer norm on, recall does not change "
+                       "reachability", v, f"reached with recall (add, internal) {r['with']}, "
+                       f"without {r['without']}; Fisher p = {r['p']:.2g}",
+                       "no difference (a difference: p < 0.05, two-sided Fisher; stated after "
+                       "the data, issue 27)", "" if v != UNKNOWN else
+                       "no difference detected, which is not evidence of none: with "
+                       f"{r['with'].split('/')[1]} and {r['without'].split('/')[1]} runs only "
+                       "a large difference could show"))  # fmt: skip
+    return out
+
+
+def _lr_verdicts(run: int, table: pd.DataFrame, contrast: dict, prestated: bool,
+                 sens: pd.DataFrame | None = None) -> list:  # fmt: skip
     out = []
     for r in table.to_dict("records"):
         arm, predicted = r["arm"], PREDICTED_DRIFT.get(r["arm"], math.nan)
@@ -112,9 +201,24 @@ def _lr_verdicts(run: int, table: pd.DataFrame, contrast: dict, prestated: bool)
         verdict = {"differ as predicted": HOLDS, "do not differ as predicted": FAILS}.get(
             v, UNKNOWN
         )
+        others = "" if sens is None else "; ".join(
+            f"{r['estimator']} vertex: {r['contrast']:+.2f} {_ci(r['ci_low'], r['ci_high'])}, "
+            f"{r['verdict']}" for r in sens.iloc[1:].to_dict("records"))  # fmt: skip
         out.append(Verdict(
             "reproductions", f"run {run}: 1/√N moves the optimum more than 1/N does",
             verdict, f"drift(1/√N) − drift(1/N) = {contrast['contrast']:+.2f} "
             f"[{contrast['ci_low']:+.2f}, {contrast['ci_high']:+.2f}] oct",
-            f"{contrast['predicted']:+.1f} (beyond {contrast['predicted'] / 2:+.2f})"))  # fmt: skip
+            f"{contrast['predicted']:+.1f} (beyond {contrast['predicted'] / 2:+.2f})",
+            f"pre-stated argmin-window vertex; sensitivity: {others}" if others else "",
+        ))  # fmt: skip
+        if sens is not None:
+            every = bool(sens["excludes_bound"].all())
+            some = ", ".join(sens.loc[sens["excludes_bound"], "estimator"]) or "none"
+            out.append(Verdict(
+                "reproductions", f"run {run}: 1/√N moves the optimum {-contrast['predicted']:.1f}"
+                " octave further than 1/N (the stability bound's prediction), every vertex "
+                "estimator", FAILS if every else UNKNOWN, "excluded under: " + some
+                + "; lows " + ", ".join(f"{x:+.2f}" for x in sens["ci_low"]),
+                f"{contrast['predicted']:+.1f} inside the contrast's 95 % interval",
+                "" if every else "not excluded under every estimator"))  # fmt: skip
     return out
