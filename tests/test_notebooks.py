@@ -88,7 +88,7 @@ KEY_NUMBERS = {
 
 def check_01(k):
     # 2KR visits; DeepNorm's change grows like R (slope 1), DeepLoop's is flat (slope 0);
-    # the constant C stays within a factor 2 across R (the notebook's band; proofs_check fits a slope)
+    # the constant C stays within a factor 2 across R (this notebook; proofs_check fits a slope)
     assert k["M"] == 2 * 2 * 4 and 0 <= k["kappa_R"] <= 4 * (1 + 1e-6)
     assert abs(k["slope"]["deepnorm"] - 1) <= 0.25 and abs(k["slope"]["deeploop"]) <= 0.25
     assert max(k["C_band"].values()) <= 2

@@ -351,7 +351,7 @@ def fit_recurrence_law(
         fit.per_arch = {
             arch: fit_law(sub.reset_index(drop=True), form="standard", restarts=restarts,
                           seed=seed, call=call)  # fmt: skip
-            for arch, sub in df.assign(arch=df.arch.iloc[0]).groupby("arch", sort=True)
+            for arch, sub in df.groupby("arch", sort=True)
         }
     if bootstrap:
         fit.bootstrap, fit.ci = block_bootstrap(
