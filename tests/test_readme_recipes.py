@@ -1,4 +1,4 @@
-"""The README's trainer and reuse recipes run as a user copies them and print what the README shows."""
+"""The README's trainer and reuse recipes run as a user copies them and print what it shows."""
 
 from __future__ import annotations
 

