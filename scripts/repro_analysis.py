@@ -153,7 +153,9 @@ def main() -> None:
     print(md(s))
     print(md(reach_claims(reach)))
     print("Which factor makes a fixed point reachable (two-sided Fisher exact, issue 27):")
-    print(md(reach_outer_norm_effect(reach)))
+    effect = reach_outer_norm_effect(reach)
+    effect["p"] = [f"{p:.2g}" for p in effect["p"]]  # 1.6e-07, not 0.000
+    print(md(effect))
     reach_figure(reach, f"{a.figdir}/reachability_study.png")
 
 
