@@ -19,7 +19,13 @@ tolerances alone do not make a few uniform starts repeatable (on the paper's gri
 in 5 lands in the global basin), so every fit also starts from the best points of a small
 (alpha, beta, phi) grid with (E, A, B) by non-negative least squares; with those the
 result does not depend on the restart seed (tested). CI: block bootstrap over
-(budget, architecture) cells (App. F.2).
+(budget, architecture) cells (App. F.2). Its coverage
+(:func:`loopprobe.experiments.scaling_grid.coverage`, benchmarks/phi_coverage.py) on the
+paper's grid with 0.010 nats per run and 0.010 per cell: the planted phi in 85 of 90 95 %
+intervals (94 %, Wilson [88 %, 98 %]); random restarts in the refits move the interval
+ends by < 2e-8. A fit says when the runs do not identify phi (``fit.identified``,
+:func:`identification`); ``fit.per_arch`` holds the per-architecture standard fits
+(Table 1).
 
 Example::
 
@@ -301,8 +307,9 @@ def fit_law(
         restarts=len(found),
         hits=int(hits),
         n=len(df),
-        edge=[{"a": "A", "b": "B", "e": "E"}.get(NAMES[i], NAMES[i]) for i in free
-              if NAMES[i] in edge],  # fmt: skip
+        edge=[
+            {"a": "A", "b": "B", "e": "E"}.get(NAMES[i], NAMES[i]) for i in free if NAMES[i] in edge
+        ],  # fmt: skip
     )
 
 
@@ -349,8 +356,9 @@ def fit_recurrence_law(
         }
     if per_arch:
         fit.per_arch = {
-            arch: fit_law(sub.reset_index(drop=True), form="standard", restarts=restarts,
-                          seed=seed, call=call)  # fmt: skip
+            arch: fit_law(
+                sub.reset_index(drop=True), form="standard", restarts=restarts, seed=seed, call=call
+            )  # fmt: skip
             for arch, sub in df.groupby("arch", sort=True)
         }
     if bootstrap:
@@ -371,7 +379,7 @@ def identification(df: pd.DataFrame, fit: LawFit, max_ci_width: float = 1.0) -> 
         why.append(f"{nb} budget(s); the law needs at least 3 to separate N_eff from D")
     if nr < 3:
         why.append(f"{nr} value(s) of r; phi needs at least 3")
-    if False:
+    if fit.edge:
         why.append(f"{', '.join(fit.edge)} on the box bound of the fit")
     if fit.ci and "phi" in fit.ci:
         lo, hi = fit.ci["phi"]
@@ -431,49 +439,6 @@ def block_bootstrap(
         for i, p in enumerate(("A", "alpha", "B", "beta", "E", "phi"))
     }
     return draws, ci
-
-
-def coverage(
-    datasets: int = 20,
-    *,
-    noise: float = 0.010,
-    cell_noise: float = 0.010,
-    bootstrap: int = 200,
-    boot_restarts: int = 2,
-    method: str = "cells",
-    informed: int = 0,
-    level: float = 0.95,
-    params: dict | None = None,
-    grid: pd.DataFrame | None = None,
-    seed: int = 0,
-    restarts: int = 8,
-) -> pd.DataFrame:
-    """Coverage of the bootstrap CI of phi on runs drawn from a planted law.
-
-    ``datasets`` draws of :func:`loopprobe.experiments.scaling_grid.synthetic_runs` (the
-    paper's 116-run grid and planted law by default; per-run ``noise`` and per-(budget, r)
-    ``cell_noise`` in nats; seeds ``seed .. seed + datasets - 1``); each is fitted and its
-    ``level`` interval checked against the planted phi. One row per dataset: seed, phi_hat,
-    lo, hi, covered, width, seconds. ``out.covered.mean()`` is the coverage.
-    """
-    import time
-
-    from loopprobe.experiments import scaling_grid as sg
-
-    params = sg.planted_params() if params is None else params
-    rows = []
-    for s in range(seed, seed + datasets):
-        t0 = time.perf_counter()
-        df = check_runs(sg.synthetic_runs(params, grid, noise=noise, cell_noise=cell_noise,
-                                          seed=s))  # fmt: skip
-        fit = fit_law(df, restarts=restarts, seed=s, call="coverage")
-        _, ci = block_bootstrap(df, fit, bootstrap, boot_restarts=boot_restarts, seed=s,
-                                level=level, method=method, informed=informed)  # fmt: skip
-        lo, hi = ci["phi"]
-        rows.append({"seed": s, "phi_hat": fit.params["phi"], "lo": lo, "hi": hi,
-                     "covered": bool(lo <= params["phi"] <= hi), "width": hi - lo,
-                     "seconds": time.perf_counter() - t0})  # fmt: skip
-    return pd.DataFrame(rows)
 
 
 # ------------------------------------------------------------------------- a user's model
