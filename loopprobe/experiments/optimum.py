@@ -58,19 +58,31 @@ def vertex(log2_lr: Sequence[float], loss: Sequence[float], half_width: int = 2)
     points remain in the window, the parabola is not convex, or the vertex falls outside
     the window (an extrapolated optimum is not a measurement).
     """
-    x = np.asarray(log2_lr, dtype=float)
-    y = np.asarray(loss, dtype=float)
-    if x.shape != y.shape or x.ndim != 1:
-        raise ValueError(f"vertex: log2_lr {x.shape} and loss {y.shape} must be equal 1-d shapes")
-    if not isinstance(half_width, int) or half_width < 1:
-        raise ValueError(f"vertex: half_width={half_width!r} must be an integer >= 1")
+    x, y = _curve(log2_lr, loss, half_width, "vertex")
     ok = np.isfinite(y)
     x, y = x[ok], y[ok]
     if len(x) < 3:
         return math.nan
-    i = int(np.argmin(y))
+    return _window_vertex(x, y, int(np.argmin(y)), half_width)
+
+
+def _curve(log2_lr, loss, half_width: int, call: str) -> tuple[np.ndarray, np.ndarray]:
+    x = np.asarray(log2_lr, dtype=float)
+    y = np.asarray(loss, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"{call}: log2_lr {x.shape} and loss {y.shape} must be equal 1-d shapes")
+    if not isinstance(half_width, int) or half_width < 1:
+        raise ValueError(f"{call}: half_width={half_width!r} must be an integer >= 1")
+    return x, y
+
+
+def _window_vertex(x: np.ndarray, y: np.ndarray, i: int, half_width: int) -> float:
+    """The vertex of the parabola through the finite points within ``half_width`` of index
+    ``i``; NaN when fewer than three, not convex, or the vertex leaves the window."""
     lo, hi = max(0, i - half_width), min(len(x), i + half_width + 1)
     xs, ys = x[lo:hi], y[lo:hi]
+    ok = np.isfinite(ys)
+    xs, ys = xs[ok], ys[ok]
     if len(xs) < 3:
         return math.nan
     a, b, _ = np.polyfit(xs, ys, 2)
@@ -107,25 +119,8 @@ def vertex_fixed(
     the lower rate) and up to ``half_width`` grid points each side: the window is fixed by
     the caller, not by this curve's argmin. NaN as :func:`vertex` (fewer than three finite
     points in the window, not convex, vertex outside the window)."""
-    x = np.asarray(log2_lr, dtype=float)
-    y = np.asarray(loss, dtype=float)
-    if x.shape != y.shape or x.ndim != 1:
-        raise ValueError(f"vertex_fixed: log2_lr {x.shape} and loss {y.shape} must be equal 1-d "
-                         "shapes")  # fmt: skip
-    if not isinstance(half_width, int) or half_width < 1:
-        raise ValueError(f"vertex_fixed: half_width={half_width!r} must be an integer >= 1")
-    i = int(np.argmin(np.abs(x - centre)))
-    lo, hi = max(0, i - half_width), min(len(x), i + half_width + 1)
-    xs, ys = x[lo:hi], y[lo:hi]
-    ok = np.isfinite(ys)
-    xs, ys = xs[ok], ys[ok]
-    if len(xs) < 3:
-        return math.nan
-    a, b, _ = np.polyfit(xs, ys, 2)
-    if not a > 0:
-        return math.nan
-    v = -b / (2 * a)
-    return float(v) if xs[0] <= v <= xs[-1] else math.nan
+    x, y = _curve(log2_lr, loss, half_width, "vertex_fixed")
+    return _window_vertex(x, y, int(np.argmin(np.abs(x - centre))), half_width)
 
 
 def _finite(log2_lr, loss, call: str) -> tuple[np.ndarray, np.ndarray]:
