@@ -27,9 +27,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 
 import torch
+from bench_visits import CLOCK, interleaved, median_ratio  # the same timing harness
 
 G_SIZES = [(32, 4, 16, 4, 2, 8), (64, 4, 32, 8, 2, 8)]  # d, heads, seq, batch, K, R
 
@@ -47,26 +47,6 @@ def build(d: int, heads: int, T: int, B: int, K: int, R: int):
         return torch.nn.functional.cross_entropy(out.reshape(-1, 64), tg.reshape(-1))
 
     return model, lp.attach(model), idx, loss_fn
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t = time.process_time()
-    fn()
-    return time.process_time() - t
-
-
-def interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            times[k].append(timed(fn))
-    return times
-
-
-def ratio(num: list[float], den: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def g_ratios(repeats: int) -> list[dict]:
@@ -87,8 +67,8 @@ def g_ratio(size: tuple, repeats: int) -> dict:
     t = interleaved(fns, repeats)
     return {
         "size": size,
-        "full_x": ratio(t["full"], t["plain"]),
-        "low_x": ratio(t["low"], t["plain"]),
+        "full_x": median_ratio(t["full"], t["plain"]),
+        "low_x": median_ratio(t["low"], t["plain"]),
     }
 
 
@@ -159,6 +139,7 @@ def main() -> None:
     ap.add_argument("--g-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    CLOCK.update(fn=time.process_time, name="CPU")  # one thread: CPU time ignores other load
     if args.g_only:  # the baseline's subprocess
         print(json.dumps(g_ratios(args.repeats)))
         return
