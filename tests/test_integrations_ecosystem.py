@@ -13,7 +13,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from test_monitor_integrations import Tokens, tiny_albert  # the same tiny ALBERT and data
+from test_monitor_integrations import (  # the same tiny ALBERT and data
+    Tokens,
+    lit_module,
+    tiny_albert,
+)
 from torch import nn
 
 import loopprobe as lp
@@ -149,25 +153,6 @@ def test_a_dict_or_batch_encoding_probe_batch_with_the_models_own_loss_works_in_
 
 
 # -------------------------------------------------------------------------------- Lightning
-
-
-def lit_module(lr: float):
-    import lightning.pytorch as pl
-
-    class LitGPT(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            cfg = lp.models.GPTConfig(K=1, R=3, d_model=8, n_heads=2, seq_len=6, vocab_size=16)
-            self.model = lp.models.LoopedGPT(cfg, generator=torch.Generator().manual_seed(0))
-
-        def training_step(self, batch, batch_idx):
-            idx, tgt = batch
-            return F.cross_entropy(self.model(idx).flatten(0, 1), tgt.flatten())
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=lr)
-
-    return LitGPT()
 
 
 PROBE, PROBE_TGT = lp.tasks.random_tokens(2, 6, 16, generator=torch.Generator().manual_seed(2))

@@ -130,7 +130,7 @@ def test_the_hf_callback_refuses_a_monitor_of_another_model_and_ambiguous_argume
 # -------------------------------------------------------------------------------- Lightning
 
 
-def lit_module():
+def lit_module(lr: float = 0.5):
     import lightning.pytorch as pl
 
     class LitGPT(pl.LightningModule):
@@ -144,7 +144,7 @@ def lit_module():
             return F.cross_entropy(self.model(idx).flatten(0, 1), tgt.flatten())
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.5)
+            return torch.optim.SGD(self.parameters(), lr=lr)
 
     return LitGPT()
 
