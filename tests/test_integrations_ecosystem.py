@@ -272,7 +272,8 @@ def train_curriculum(model: Curriculum, mon: Monitor | None, steps: int = 5) -> 
 
 @pytest.mark.parametrize(
     "inject_from, sublayers, first_failure",
-    [(0, None, 0), (2, ["block"], 2)],  # the two crashes users reported
+    [(0, ["block"], 0), (2, ["block"], 2)],  # the crashes users reported (the default
+    # probe of this model now measures the carried stream: tests/test_inject_increments.py)
 )
 def test_a_diagnostic_that_fails_mid_run_is_rows_and_one_warning_and_the_training_is_unchanged(
     inject_from, sublayers, first_failure
@@ -299,8 +300,8 @@ def test_a_diagnostic_that_fails_mid_run_is_rows_and_one_warning_and_the_trainin
 
 def test_strict_raises_the_diagnostics_error_in_the_training_loop():
     model = Curriculum(0)
-    mon = Monitor(model, PROBE, next_token, every=1, strict=True)
-    with pytest.raises(ValueError, match="increments: cannot locate the residual increment"):
+    mon = Monitor(model, PROBE, next_token, every=1, strict=True, sublayers=["block"])
+    with pytest.raises(ValueError, match="increments: cannot tell whether sublayer 'block'"):
         mon.step(0)
 
 

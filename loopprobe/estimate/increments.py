@@ -204,6 +204,7 @@ class Increments(Trust):
             "growth_measure": self.growth_measure,
             "hN_source": self.hN_source,
             "increment": self.increment,
+            "carried": self.attrs.get("carried", ""),
             "measured": dict(self.measured),
             "evidence": dict(self.evidence),
             "converged": self.converged,
@@ -319,7 +320,9 @@ def increments(
     # under an input injection the loop's output is its carried state z_N, not the stream
     # the visits read (x + z_N): h_N is rebuilt from the last visit like every increment
     injected = visits[-1].sublayer in col.injected
-    if isinstance(out, torch.Tensor) and out.shape == h0.shape and not injected:
+    if col.final is not None:  # the stream the loop carries: h_N is its last value
+        hN, source = col.final
+    elif isinstance(out, torch.Tensor) and out.shape == h0.shape and not injected:
         hN, source = out.detach(), "forward output"
     else:
         x, version, k = col.last
@@ -380,7 +383,10 @@ def increments(
         measured=col.measured,
         evidence=col.evidence,
         problems=col.problems,
-        attrs={} if probe.ranks is None else {"scope": scope(probe.ranks, per_rank=True)},
+        attrs={
+            **col.attrs,
+            **({} if probe.ranks is None else {"scope": scope(probe.ranks, per_rank=True)}),
+        },
     )
 
 

@@ -383,7 +383,13 @@ def _sensitivity_rows(ctx: _Context, sens: Sensitivity | None) -> None:
 
 
 def _run_increments(mon: Monitor, ctx: _Context) -> None:
-    inc = increments(mon.probe, mon.inputs, **mon._kw("increments", "forward"))
+    kw = {**getattr(mon, "_pinned_increment", {}), **mon._kw("increments", "forward")}
+    inc = increments(mon.probe, mon.inputs, **kw)
+    if "increment" not in kw and any("by size only" in e for e in inc.evidence.values()):
+        # a decision by size can flip as the model trains: keep the first one, so every step
+        # measures the same thing (a later contradiction is converged=False with the reason)
+        mode = {"output": "output", "output - input": "delta"}.get(inc.increment)
+        mon._pinned_increment = {"increment": mode} if mode else {}
     ok, why = inc.converged, inc.reason
     for k, v in enumerate(inc.visits):
         ctx.add("inc_rms", inc.inc_rms[k], v.sublayer, v.r, converged=ok, reason=why)

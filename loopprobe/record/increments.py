@@ -9,7 +9,12 @@ injection ``z <- f(x + z)``: the increment is output + injection - input, the ch
 the stream between reads), or none of these; else the sizes of output and input.
 A reading that two kinds explain alike (a zero input; a first visit whose input is the
 injection itself, as from a zero state) is no evidence; readings that disagree leave the
-sublayer undecided. Reference: docs/definitions.md §3.
+sublayer undecided. When the pairs leave a sublayer open, or a sublayer's output is not
+shaped like what it reads (an injection layer ``h <- block(inject(cat[h, e]))``), ``auto``
+looks for the stream the loop carries (:meth:`Collector._carried`): the one visit output
+that every next round's first visit reads (as an input, a slice of one, or one plus a fixed
+tensor) with everything else it reads the same every round; its increments are the
+changes ``h_{r+1} - h_r``. Reference: docs/definitions.md §3.
 """
 
 from __future__ import annotations
@@ -17,17 +22,28 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from loopprobe.record._increment_checks import (
+    IncrementFn,
+    _call_increment,
+    _check_callable_result,
+    _check_increment,
+    _floats,
+    _how,
+    _not_shaped,
+    _stream_in,
+)
+from loopprobe.record.carried import _close, _Link, _links, _same
 from loopprobe.record.probe import Probe, grads_kept
 from loopprobe.record.types import Forward, Visit, VisitRecord, call_model
 
-IncrementFn = Callable[[VisitRecord], torch.Tensor]
+CARRIED = "carried stream h_(r+1) - h_r"
 
 _MEASURED = {
     "output": "output",
@@ -102,20 +118,27 @@ class Collector:
         self.problems: list[str] = []
         self.tuple_outputs: set[str] = set()
         self.skip: set[str] = set()
+        self.names: list[str] = []  # the probed sublayers, for errors that name them
+        self.unshaped: dict[str, str] = {}  # auto: sublayer -> why its output is no increment
+        self.reads: dict[int, list[torch.Tensor]] = {}  # auto: every float input per visit
+        self.final: tuple[torch.Tensor, str] | None = None  # (h_N, source) of a carried stream
+        self.attrs: dict[str, str] = {}
+        self.carried_why = ""
 
     def run(self, probe: Probe, inputs: Any, forward: Forward | None) -> Any:
         subs = probe.sublayers(inputs, forward=forward)  # discovery (once per probe)
         # Increments are the loop body's: heads, norms and embedders write no residual stream.
         self.skip = {x.name for x in subs if x.role != "body"} if len(subs) > 1 else set()
+        self.names = [x.name for x in subs if x.name not in self.skip]
         try:  # no_grad first: no graph is kept
             with torch.no_grad(), probe.session(None, self.leave, call=self.call):
                 out = call_model(probe.model, inputs, forward)
         except RuntimeError:  # torch's refusal; retried in grad mode, a real error raises again
             # A forward that needs grad mode (x.register_hook, torch.autograd.grad inside)
             # runs as training runs it; what the first try recorded is dropped.
-            skip = self.skip
+            skip, names = self.skip, self.names
             self.__init__(self.increment, self.copy, self.call)
-            self.skip = skip
+            self.skip, self.names = skip, names
             with grads_kept(probe.model), probe.session(None, self.leave, call=self.call):
                 out = call_model(probe.model, inputs, forward)
         if not self.visits:
@@ -144,14 +167,25 @@ class Collector:
                 self.call, v.sublayer, [f"r={first[0]}: {first[1]}", f"r={v.r}: {tuple(x.shape)}"]
             )
         self._chain_evidence(x.detach())
+        k, xc = len(self.incs), None
+        if self.increment == "auto":  # every float input, for the carried stream (_carried)
+            floats = _floats(rec)
+            self.reads[k] = [t.detach().clone() for t in floats]
+            xc = self.reads[k][next(i for i, t in enumerate(floats) if t is x)]
         if callable(self.increment):
             z = _call_increment(self.increment, VisitRecord(v, args, kwargs, raw), self.call)
-            _check_callable_result(rec, raw, x, z, self.call)
+            _check_callable_result(rec, raw, x, z, self.call, self.names)
             inc = z.detach().clone() if self.copy else z.detach()
             self.prev = (v, z.detach(), x.detach() + z.detach())  # its chain is checked too
+        elif xc is not None and isinstance(out, torch.Tensor) and out.shape != x.shape:
+            # no residual branch (an injection layer Linear(2d, d)); at the end of the pass
+            # the stream the loop carries may still be found (_carried), else this raises
+            self.unshaped.setdefault(v.sublayer, _not_shaped(rec, x, out, "auto", self.call))
+            self.pending[k] = (out.detach().clone(), xc)
+            self.prev, inc = (v, out.detach(), None), None
         else:
-            _check_increment(rec, x, out, self.increment, self.call)
-            inc = self._store(v, x.detach(), out.detach())
+            _check_increment(rec, x, out, self.increment, self.call, self.names)
+            inc = self._store(v, x.detach(), out.detach(), xc)
         if self.h0 is None:
             self.h0 = x.detach().clone()
         self.visits.append(v)
@@ -159,14 +193,14 @@ class Collector:
         self.incs.append(inc)
         self.last = (x, x._version, len(self.incs) - 1)
 
-    def _store(self, v: Visit, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def _store(self, v: Visit, x: torch.Tensor, y: torch.Tensor, xc: Any) -> torch.Tensor | None:
         nx, ny, ns = (float(torch.linalg.vector_norm(t)) for t in (x, y, y - x))
         kind = "state" if ns <= nx / 2 else "increment" if ny <= nx / 2 else None
         rs, ry = (math.inf, math.inf) if nx == 0 else (ns / nx, ny / nx)  # NaN if not finite
         self.size.setdefault(v.sublayer, []).append((v.r, kind if nx > 0 else None, rs, ry))
         self.prev = (v, y, x + y)
         if self.increment == "auto":  # decided in _resolve, from every pair of visits
-            self.pending[len(self.incs)] = (y.clone() if self.copy else y, x.clone())
+            self.pending[len(self.incs)] = (y.clone() if self.copy else y, xc)
             return None
         return self._increment(self.increment, x, y, None, cloned=False)
 
@@ -187,7 +221,7 @@ class Collector:
         self.prev = None
         if x_next.shape != y.shape or not x_next.is_floating_point() or x_next.dtype != y.dtype:
             return
-        state, inc = x_next is y or _close(x_next, y), _close(x_next, s)
+        state, inc = x_next is y or _close(x_next, y), s is not None and _close(x_next, s)
         kind = "both" if state and inc else "state" if state else "increment" if inc else ""
         same = is_ref = False
         if kind in ("", "increment"):
@@ -207,6 +241,13 @@ class Collector:
         counts: dict[str, int] = {}
         for v in self.visits:
             counts[v.sublayer] = counts.get(v.sublayer, 0) + 1
+        if self.increment == "auto" and self._open(counts):
+            found = self._carried()
+            if not isinstance(found, str):
+                return self._use_carried(*found)
+            self.carried_why = f"the stream the loop carries is not found: {found}"
+            for msg in self.unshaped.values():
+                raise ValueError(f"{msg}; {self.carried_why}; {self._options()}")
         for s in counts:
             if callable(self.increment):
                 self._check_callable_chain(s, counts[s] > 1)
@@ -302,7 +343,13 @@ class Collector:
         kinds = {k for _, k, _, _ in sizes}
         if len(kinds) == 1 and None not in kinds:
             kind = kinds.pop()
-            return kind, _SIZE[kind]
+            mode = "'delta'" if kind == "state" else "'output'"
+            return kind, _SIZE[kind] + (
+                f"; by size only, since its next visits read neither its output nor input + "
+                f"output: this can change as the model trains (increment={mode} fixes it)"
+                if readings
+                else ""
+            )
         return None, (
             "no visit reads its output or input + output (is the output transformed "
             "before it is added?)"
@@ -325,23 +372,95 @@ class Collector:
             return kind, f"{_CHAIN[kind]} (at all {n} reads that tell)"
         return None, _FIRST if first_only else ""
 
+    def _open(self, counts: dict[str, int]) -> bool:
+        """Does some sublayer lack an increment its pairs of visits decide?"""
+        return bool(self.unshaped) or any(
+            self._chain(*self._readings(s, n > 1))[0] is None for s, n in counts.items()
+        )
+
+    def _carried(self) -> tuple[int, int, _Link] | str:
+        """``(p, P, link)``: the visits repeat in rounds of ``P``, and visit ``p`` of each round
+        outputs what the next round's first visit reads by ``link``, with everything else it
+        reads the same every round; else why not (a sentence)."""
+        names = [v.sublayer for v in self.visits]
+        n = len(names)
+        P = next((q for q in range(1, n // 2 + 1) if names == names[:q] * (n // q)), 0)
+        if not P:
+            return f"the visits ({', '.join(names[:6])}, ...) do not repeat in rounds"
+        R, first = n // P, names[0]
+        reads = [self.reads[r * P] for r in range(R)]
+        found, moving = [], []
+        for p in range(P):
+            ys = [self.pending[r * P + p][0] for r in range(R)]
+            for link in _links(ys[0], reads[1]):
+                if (link.c is not None and R < 3) or not all(
+                    link.holds(ys[r], reads[r + 1]) for r in range(1, R - 1)
+                ):
+                    continue  # one pair cannot tell a fixed injection from a transform
+                same = all(_same(link.rest(reads[r]), link.rest(reads[0])) for r in range(1, R))
+                (found if same else moving).append((p, link))
+        outs = sorted({names[p] for p, _ in found + moving})
+        if len(found) == 1:
+            return found[0][0], P, found[0][1]
+        if found:
+            return f"the next round's first visit ({first!r}) reads several outputs ({outs})"
+        if moving:
+            return (
+                f"the next round's first visit ({first!r}) reads the output of {outs} but also "
+                "inputs that change between rounds (the loop carries more than one stream)"
+            )
+        return (
+            f"no visit's output is what the next round's first visit ({first!r}) reads (as an "
+            "input, a slice of one, or one plus a fixed tensor); if a layer outside the probe "
+            "feeds it back (an injection Linear(2d, d)), probing it too lets increment='auto' "
+            "find the carried stream"
+        )
+
+    def _use_carried(self, p: int, P: int, link: _Link) -> None:
+        """Measure the carried stream: ``h_0`` from the first read, ``h_r`` visit p's outputs."""
+        R, first, S = len(self.visits) // P, self.visits[0].sublayer, self.visits[p].sublayer
+        ks = [r * P + p for r in range(R)]
+        hs = [link.carried(self.reads[0]), *(self.pending[k][0] for k in ks)]
+        inside = dict.fromkeys(v.sublayer for v in self.visits[:P] if v.sublayer != S)
+        self.visits = [self.visits[k] for k in ks]
+        self.incs = [hs[r + 1] - hs[r] for r in range(R)]
+        self.x_rms = [torch.linalg.vector_norm(h) / math.sqrt(h.numel()) for h in hs[:-1]]
+        self.h0, self.final = hs[0].clone(), (hs[-1], f"carried stream (last output of {S!r})")
+        self.measured = {S: CARRIED}
+        self.evidence = {
+            S: f"detected: the loop carries the output of {S!r}: the next round's first visit "
+            f"({first!r}) reads it {link.how()} at all {R - 1} round boundaries, and nothing "
+            "else it reads changes between rounds; the increment is h_(r+1) - h_r"
+        }
+        for o in inside:
+            self.evidence[o] = f"not measured: it runs inside the round that carries {S!r}"
+        self.attrs = {"carried": S, "carried_by": f"{first} reads it {link.how()}"}
+        self.pending.clear()
+        self.reads.clear()
+
+    def _options(self) -> str:
+        """The choices that fit this model, with its own sublayer names."""
+        shaped = [n for n in self.names if n not in self.unshaped]
+        if not shaped:
+            return _how(self.names)
+        return (
+            f"for this model: lp.increments(model, inputs, sublayers={shaped!r}, "
+            "increment='delta') if that returns the updated stream, increment='output' if it "
+            "returns what is added to the stream, or increment=lambda rec: ... built from "
+            "rec.args and rec.output"
+        )
+
     def _undecided(self, sublayer: str, why: str) -> None:
         r, _, rs, ry = self.size[sublayer][0]
         raise ValueError(
             f"{self.call}: cannot tell whether sublayer {sublayer!r} returns its residual "
             f"increment or the updated stream: {why}; by size it is not settled either "
             f"(visit r={r}: ||output - input||/||input|| = {rs:.3g}, ||output||/||input|| = "
-            f"{ry:.3g}); pass increment='output' if it returns what is added to the stream, "
-            "increment='delta' if it returns the updated stream, or a callable (for an input "
-            "injection z <- f(x + z): increment=lambda rec: rec.output + x - rec.args[0])"
+            f"{ry:.3g}); {self.carried_why}; pass increment='output' if it returns what is "
+            "added to the stream, increment='delta' if it returns the updated stream, or a "
+            "callable (for an input injection z <- f(x + z): increment=lambda rec: rec.output "
+            f"+ x - rec.args[0]); {self._options()}"
         )
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    tol = math.sqrt(torch.finfo(b.dtype).eps) if b.is_floating_point() else 0.0
-    if not a.is_floating_point() or a.dtype != b.dtype:
-        return False
-    return float(torch.linalg.vector_norm(a - b)) <= tol * float(torch.linalg.vector_norm(b))
 
 
 @contextlib.contextmanager
@@ -360,73 +479,3 @@ def refuse_routing(call: str, group: str, seen: list[str]) -> None:
         "increments of different tokens have no cosine. Pass increment=lambda rec: ... "
         "returning each increment scattered back to a fixed shape"
     )
-
-
-_HOW = (
-    "point the probe at the residual branch whose output is the increment as added to the "
-    "stream, e.g. lp.attach(model, sublayers=['blocks.*.attn', 'blocks.*.mlp']), pass "
-    "increment='delta' if the sublayer returns the updated stream x + f(x), or "
-    "increment=lambda rec: ... to pick the tensor from rec.args/rec.output"
-)
-
-
-def _stream_in(v: VisitRecord, call: str) -> torch.Tensor:
-    """The stream a visit reads: its first float tensor argument shaped like its output."""
-    found = [
-        t
-        for t in (*v.args, *v.kwargs.values())
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
-    if not found:
-        raise ValueError(
-            f"{call}: visit r={v.r} of sublayer {v.sublayer!r} (module {v.module!r}) has no "
-            f"floating-point tensor input to take as the residual stream; {_HOW}"
-        )
-    shape = v.output.shape if isinstance(v.output, torch.Tensor) else None
-    return next((t for t in found if t.shape == shape), found[0])
-
-
-def _call_increment(fn: IncrementFn, rec: VisitRecord, call: str) -> Any:
-    """``fn(rec)``; a failure on a tuple output says what ``rec.output`` is."""
-    try:
-        return fn(rec)
-    except (TypeError, IndexError, AttributeError) as e:
-        if not isinstance(rec.output, tuple | list):
-            raise
-        raise TypeError(
-            f"{call}: the increment callable failed at visit r={rec.r} of sublayer "
-            f"{rec.sublayer!r} ({type(e).__name__}: {e}); rec.output is the output as the "
-            f"module returned it, here a {type(rec.output).__name__} of "
-            f"{len(rec.output)}: index it (e.g. rec.output[0] - rec.args[0])"
-        ) from e
-
-
-def _check_callable_result(v: VisitRecord, raw: Any, x: torch.Tensor, z: Any, call: str) -> None:
-    if isinstance(z, torch.Tensor) and z.shape != x.shape:
-        what = f"a {type(raw).__name__}"
-        if isinstance(raw, torch.Tensor):
-            what = f"a tensor of shape {tuple(raw.shape)}"
-        elif isinstance(raw, tuple | list):
-            what += f" of {len(raw)} whose element 0 has shape {tuple(raw[0].shape)}"
-        raise ValueError(
-            f"{call}: the increment callable returned shape {tuple(z.shape)} at visit "
-            f"r={v.r} of sublayer {v.sublayer!r}, but the stream it reads has shape "
-            f"{tuple(x.shape)}; an increment is shaped like the stream (did it index the "
-            f"batch?). rec.output is the output as the module returned it, here {what}"
-        )
-    _check_increment(v, x, z, "a callable", call)
-
-
-def _check_increment(v: VisitRecord, x: torch.Tensor, z: Any, increment: Any, call: str) -> None:
-    if not isinstance(z, torch.Tensor):
-        raise ValueError(
-            f"{call}: the increment of sublayer {v.sublayer!r} (module {v.module!r}) is a "
-            f"{type(z).__name__}, not a tensor (increment={increment!r}); {_HOW}"
-        )
-    if z.shape != x.shape:
-        raise ValueError(
-            f"{call}: cannot locate the residual increment of sublayer {v.sublayer!r} "
-            f"(module {v.module!r}): its output has shape {tuple(z.shape)} but the stream it "
-            f"reads has shape {tuple(x.shape)}, so it is not a residual-shaped branch output "
-            f"(loopprobe does not broadcast one against the other); {_HOW}"
-        )

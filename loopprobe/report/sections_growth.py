@@ -9,6 +9,7 @@ import pandas as pd
 from loopprobe.estimate.increments import increments
 from loopprobe.experiments.coordcheck import reference_coord_check
 from loopprobe.experiments.growth import reference_growth, start_at_rms
+from loopprobe.record.probe import Probe
 from loopprobe.report.common import _batch, _gpt, refusal_is_skip
 from loopprobe.report.config import Context, Fig, Result, Skip
 from loopprobe.report.verdicts import coordcheck_verdicts, growth_verdicts
@@ -106,9 +107,15 @@ def increments_section(ctx: Context) -> Result:
 
 def _increments_user(ctx: Context) -> Result:
     u = ctx.user
+    # --increment / --sublayers / --exclude; a refusal is the Skip reason, and its message
+    # names the choices that fit this model (its own sublayer names)
+    increment = "auto" if u.increment is None else u.increment
     with refusal_is_skip():
-        one = increments(u.model, u.inputs, forward=u.forward)
+        probe = Probe(u.model, u.sublayers, u.exclude)
+        one = increments(probe, u.inputs, forward=u.forward, increment=increment)
     groups = one.group_frame()
+    notes = [f"{s}: increment measured as {m} ({one.evidence[s]})" for s, m in one.measured.items()]
+    notes += [f"{s}: {e}" for s, e in one.evidence.items() if s not in one.measured]
     return Result(
         frames={"groups": groups, "cosines": one.cosine_frame(), "visits": one.to_frame()},
         tables=[("Increment correlation per group of visits", groups)],
@@ -116,9 +123,7 @@ def _increments_user(ctx: Context) -> Result:
             [{k: v for k, v in one.summary().items() if isinstance(v, (int, float, str))}]
         ),
         values=one.summary(),
-        notes=[
-            f"{s}: increment measured as {m} ({one.evidence[s]})" for s, m in one.measured.items()
-        ],
+        notes=notes,
         figures=[
             Fig(
                 "increments_cosines",
