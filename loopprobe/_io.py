@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import math
 import os
 import sys
@@ -39,16 +40,23 @@ def load_object(spec: str, what: str = "--model") -> Callable[..., Any]:
 
     Every failure is a one-line ``ValueError``/``TypeError`` naming the flag and the spec.
     """
-    shape = "package.module:" + ("factory" if what == "--model" else "fn")
+    name = "factory" if what == "--model" else "fn"
+    shape = f"package.module:{name} (or path/to/file.py:{name})"
     if not isinstance(spec, str) or ":" not in spec:
         raise ValueError(f"{what} {spec!r} must look like {shape}")
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
+    mod_name, _, attr = spec.rpartition(":")
+    if not mod_name or not attr or ("/" in attr or attr.endswith(".py")):
         raise ValueError(f"{what} {spec!r} must look like {shape}")
+    if _is_path(mod_name) and not (mod_name.endswith(".py") and os.path.isfile(mod_name)):
+        hint = "" if mod_name.endswith(".py") else " (a file path must end in .py)"
+        raise ValueError(
+            f"{what} {spec!r}: no Python file {mod_name!r}{hint}; give path/to/file.py:{name} "
+            f"or package.module:{name}"
+        )
     importlib.invalidate_caches()  # a module written since the last import is found
     try:
         with cwd_on_path():
-            module = importlib.import_module(mod_name)
+            module = _import(mod_name)
     except ModuleNotFoundError as err:
         where = "" if err.name == mod_name else f" (it imports {err.name!r}, which is missing)"
         raise ValueError(
@@ -72,6 +80,33 @@ def load_object(spec: str, what: str = "--model") -> Callable[..., Any]:
     return obj
 
 
+def _is_path(mod_name: str) -> bool:
+    return mod_name.endswith(".py") or os.sep in mod_name or "/" in mod_name
+
+
+def _import(mod_name: str) -> Any:
+    """``package.module``, or a file ``path/to/file.py`` (loaded once per resolved path, so
+    ``--model``, ``--inputs`` and ``--loss`` naming one file share its module)."""
+    if not _is_path(mod_name):
+        return importlib.import_module(mod_name)
+    import hashlib
+
+    path = os.path.abspath(mod_name)
+    stem = "".join(c if c.isalnum() else "_" for c in os.path.basename(path)[:-3])
+    key = f"_loopprobe_file_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    if key in sys.modules:  # in sys.modules under its own name: dataclasses, pickle work
+        return sys.modules[key]
+    loader = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[key] = module
+    try:
+        loader.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return module
+
+
 def call_user(fn: Callable[..., Any], what: str, spec: str, *args: Any) -> Any:
     """``fn(*args)``; any exception it raises becomes one ``ValueError`` line naming it."""
     try:
@@ -84,7 +119,7 @@ def call_user(fn: Callable[..., Any], what: str, spec: str, *args: Any) -> Any:
 def _call_text(spec: str, args: tuple) -> str:
     """``fn(3, Tensor)``: the call of ``spec``'s function, simple arguments shown, others named."""
     shown = (repr(a) if isinstance(a, int | float | str) else type(a).__name__ for a in args)
-    return f"{spec.partition(':')[2]}({', '.join(shown)})"
+    return f"{spec.rpartition(':')[2]}({', '.join(shown)})"
 
 
 #: how :func:`to_jsonable` writes the floats strict JSON has no literal for (RFC 8259);
@@ -126,3 +161,30 @@ def load_model(spec: str, *args: Any, what: str = "--model") -> Any:
             "not a torch.nn.Module; the factory must build and return the model"
         )
     return model
+
+
+# --------------------------------------------------------------------------- the loss rule
+
+#: what ``--help`` says about the default loss (every command and the report use this rule)
+LOSS_RULE = (
+    "loss_fn(output, inputs) -> scalar. Default, in every command and the report: the "
+    "model's own scalar .loss when its output has one (Hugging Face style, given labels); "
+    "else cross-entropy of F against random next tokens when loopprobe drew the inputs "
+    "(random tokens from cfg.vocab_size, no --inputs); else 0.5 * mean(F^2)"
+)
+
+
+def user_inputs(spec: str, model: Any) -> Any:
+    """What ``--inputs spec`` returns: ``fn(model)``, or ``fn()`` when it takes no argument
+    (every command the same); a list becomes a tuple of positional arguments."""
+    import inspect
+
+    fn = load_object(spec, "--inputs")
+    try:
+        params = inspect.signature(fn).parameters.values()
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        takes = any(p.kind in kinds or p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
+    except (TypeError, ValueError):
+        takes = True
+    inputs = call_user(fn, "--inputs", spec, *([model] if takes else []))
+    return tuple(inputs) if isinstance(inputs, list) else inputs

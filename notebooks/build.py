@@ -107,7 +107,8 @@ lp.plots.visit_norms(rep.visits)""",
     (
         "code",
         """\
-lp.plots.visit_cosines({name: c.numpy() for name, c in rep.cos_G.items()})""",
+cos = {name: c.numpy() for name, c in rep.cos_G.items()}
+lp.plots.visit_cosines(cos, max_panels=len(cos))  # every sublayer: the default shows 4""",
     ),
     (
         "md",
@@ -580,7 +581,8 @@ rep.sublayers[["sublayer", "R_g", "kappa", "cos_G_adjacent"]]""",
     (
         "code",
         """\
-lp.plots.visit_cosines({name: c.numpy() for name, c in rep.cos_G.items()})""",
+cos = {name: c.numpy() for name, c in rep.cos_G.items()}
+lp.plots.visit_cosines(cos, max_panels=len(cos))  # every sublayer: the default shows 4""",
     ),
     (
         "md",

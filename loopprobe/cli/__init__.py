@@ -11,6 +11,9 @@ Output: with ``--json`` stdout is exactly one JSON object (strict JSON: NaN and 
 the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``); whatever else is printed while the
 command runs (the user's factory or forward) goes to stderr.
 
+Ctrl-C stops any command with one line on stderr saying what is on disk (e.g. the sweep
+cells cached so far, which a rerun resumes from) and exit code 130.
+
 Exit codes: 0 when the command produced its result, also a result whose estimates did not
 converge (it says ``converged: NO: <reason>``; JSON ``"converged": false`` and ``reason``).
 Bad arguments and errors a user can fix (``ValueError``/``TypeError``, also those raised by
@@ -110,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with cwd_on_path(), json_only_on_stdout(bool(getattr(args, "json", False))):
             return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, never a traceback (also with --debug)
+        print(f"loopprobe {args.command}: {_interrupted(args)}", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `loopprobe theory ... | head`: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -123,6 +129,18 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(previous)
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What is on disk after Ctrl-C: sweep cells are cached whole (each one written when it
+    finishes) or not at all, so a rerun resumes; nothing else is written before the end."""
+    cache_of = getattr(args, "cache_of", None)
+    cache = cache_of(args) if cache_of is not None else None
+    if cache:
+        return f"interrupted; finished cells are cached in {cache}; rerun the command to resume"
+    if hasattr(args, "cache"):
+        return "interrupted; nothing was cached (pass --cache DIR to resume an interrupted sweep)"
+    return "interrupted; no result was written"
 
 
 def _report_error(command: str, err: Exception) -> int:

@@ -1,6 +1,6 @@
 """What a probing command probes: the model (reference or ``--model``), inputs, loss, F.
 
-Shared by ``kappa``, ``bound`` and ``report``; imported when a command runs (not for
+Shared by ``kappa``, ``bound`` and ``ddp-kappa``; imported when a command runs (not for
 ``--help``), since it needs torch and the reference models.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,17 +16,18 @@ import torch
 from torch import nn
 
 from loopprobe import tasks
-from loopprobe._io import call_user, load_model, load_object
+from loopprobe._io import load_model, load_object, user_inputs
 from loopprobe.cli._common import DefaultOutput
 from loopprobe.models import GPTConfig, LoopedGPT
-from loopprobe.record.types import MappingCallError, model_loss
+from loopprobe.record.types import MappingCallError
+from loopprobe.report.common import resolve_loss
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
 class Target:
-    """What one probe needs: the model, its inputs, the loss, F, and the scales."""
+    """What one probe needs: the model, its inputs, the loss, F, the scales, what to probe."""
 
     model: nn.Module
     inputs: Any
@@ -38,6 +38,9 @@ class Target:
     beta: float | None
     forward: Callable[[nn.Module, Any], Any] | None = None
     output_spec: str | None = None
+    sublayers: list[str] | None = None
+    exclude: list[str] | None = None
+    targets: Any = None  # the random next tokens of the default cross-entropy, if drawn
 
     def describe_output(self) -> str | None:
         """Which tensor F is: ``--output``'s, the reference model's logits, or what the
@@ -54,24 +57,6 @@ class Target:
 
     def describe_loss(self) -> str:
         return getattr(self.loss_fn, "used", None) or self.loss_name
-
-
-class DefaultLoss:
-    """The loss when no ``--loss`` is given: the model's own scalar ``.loss`` if its output
-    carries one (Hugging Face style; the library's ``loss_fn=None``, one implementation:
-    :func:`loopprobe.record.types.model_loss`), else ``fallback``. ``used`` names what was
-    used."""
-
-    def __init__(self, fallback: Callable[[Any, Any], torch.Tensor], name: str) -> None:
-        self.fallback, self.name, self.used = fallback, name, None
-
-    def __call__(self, out: Any, inputs: Any) -> torch.Tensor:
-        loss = model_loss(out)
-        if loss is not None:
-            self.used = self.used or "the model's own .loss"
-            return loss
-        self.used = self.used or self.name
-        return self.fallback(out, inputs)
 
 
 def reference_model(args: argparse.Namespace, R: int) -> nn.Module:
@@ -95,68 +80,53 @@ def user_model(args: argparse.Namespace, R: int | None) -> nn.Module:
     return model
 
 
+#: the user-model options that need --model (the reference model brings its own)
+NEEDS_MODEL = ("inputs", "loss", "output", "forward", "sublayers", "exclude", "increment", "step")
+
+
+def check_needs_model(args: argparse.Namespace) -> None:
+    if getattr(args, "model", None) is None:
+        for flag in NEEDS_MODEL:
+            if getattr(args, flag, None) is not None:
+                raise ValueError(f"--{flag} only applies together with --model")
+
+
 def build_target(args: argparse.Namespace, R: int | None) -> Target:
     """The model (reference or ``--model``), its inputs, loss, F picker and scales."""
+    check_needs_model(args)
     if args.model is None:
-        for flag in ("inputs", "loss", "output", "forward"):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag} only applies together with --model")
-        model = reference_model(args, 4 if R is None else R)
-        output = None
+        model, output = reference_model(args, 4 if R is None else R), None
     else:
         model = user_model(args, R)
         output = load_object(args.output, "--output") if args.output else DefaultOutput()
     forward = load_object(args.forward, "--forward") if args.forward else None
     cfg = getattr(model, "cfg", None)
-    inputs, loss_fn, loss_name = _inputs_and_loss(args, model, cfg, output)
+    inputs, targets = _inputs(args, model, cfg)
+    pick = output if output is not None else (lambda out: out)
+    loss_fn, loss_name = resolve_loss(args.loss, pick, targets)
     alpha = args.alpha if args.alpha is not None else getattr(cfg, "alpha", None)
     beta = args.beta if args.beta is not None else getattr(cfg, "beta", None)
     spec = args.output if args.model is not None else None
-    return Target(model, inputs, loss_fn, output, loss_name, alpha, beta, forward, spec)
+    subs = dict(sublayers=getattr(args, "sublayers", None), exclude=getattr(args, "exclude", None))
+    return Target(
+        model, inputs, loss_fn, output, loss_name, alpha, beta, forward, spec, **subs,
+        targets=targets,
+    )  # fmt: skip
 
 
-def _inputs_and_loss(args: argparse.Namespace, model: nn.Module, cfg: Any, output: Any) -> tuple:
-    """Inputs from ``--inputs`` or random tokens; loss from ``--loss`` or a default."""
-    pick = output if output is not None else (lambda out: out)
-    targets = None
+def _inputs(args: argparse.Namespace, model: nn.Module, cfg: Any) -> tuple[Any, Any]:
+    """Inputs from ``--inputs``, or random tokens and their random next tokens."""
     if args.inputs is not None:
-        fn = load_object(args.inputs, "--inputs")
-        inputs = call_user(fn, "--inputs", args.inputs, *([model] if _takes_argument(fn) else []))
-        if isinstance(inputs, list):
-            inputs = tuple(inputs)
-    elif hasattr(cfg, "vocab_size") and hasattr(cfg, "seq_len"):
+        return user_inputs(args.inputs, model), None
+    if hasattr(cfg, "vocab_size") and hasattr(cfg, "seq_len"):
         seq = args.seq if args.model is None else cfg.seq_len
         g = torch.Generator().manual_seed(args.seed)
         inputs, targets = tasks.random_tokens(args.batch, seq, cfg.vocab_size, g)
-        inputs, targets = inputs.to(_device(model)), targets.to(_device(model))
-    else:
-        raise ValueError(
-            f"--model {args.model}: {type(model).__name__} has no cfg.vocab_size/cfg.seq_len to "
-            "draw random tokens from; pass --inputs package.module:fn returning its inputs"
-        )
-    if args.loss is not None:
-        return inputs, load_object(args.loss, "--loss"), args.loss
-    fallback, name = _fallback_loss(pick, targets)
-    if args.model is None:
-        return inputs, fallback, name
-    return inputs, DefaultLoss(fallback, name), name
-
-
-def _fallback_loss(pick: Callable[[Any], torch.Tensor], targets: Any) -> tuple:
-    if targets is not None:
-
-        def cross_entropy(out: Any, _inputs: Any) -> torch.Tensor:
-            logits = pick(out)
-            return nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-            )
-
-        return cross_entropy, "cross-entropy on random tokens"
-
-    def half_mean_square(out: Any, _inputs: Any) -> torch.Tensor:
-        return 0.5 * pick(out).pow(2).mean()
-
-    return half_mean_square, "0.5 * mean(F^2) (pass --loss to use yours)"
+        return inputs.to(_device(model)), targets.to(_device(model))
+    raise ValueError(
+        f"--model {args.model}: {type(model).__name__} has no cfg.vocab_size/cfg.seq_len to "
+        "draw random tokens from; pass --inputs package.module:fn returning its inputs"
+    )
 
 
 @contextlib.contextmanager
@@ -172,15 +142,6 @@ def call_hint(target: Target) -> Iterator[None]:
             "--forward package.module:fn with def fn(model, inputs): return model(inputs) "
             "if it takes the mapping itself"
         ) from err
-
-
-def _takes_argument(fn: Callable) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return True
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return any(p.kind in kinds or p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -21,8 +21,15 @@ from __future__ import annotations
 import argparse
 
 from loopprobe import theory
-from loopprobe.cli._common import apply_threads, emit, int_list, text_table
-from loopprobe.cli.kappa import _fmt, add_target_args, check_positive
+from loopprobe.cli._common import (
+    UPDATES,
+    add_target_args,
+    apply_threads,
+    check_positive,
+    emit,
+    text_table,
+)
+from loopprobe.cli.kappa import _fmt
 
 ROW_KEYS = (
     "R",
@@ -55,17 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "slope of ||dF|| in R (seed 002, Eq. 13-16)."
         ),
     )
-    parser.add_argument(
-        "--R",
-        type=_r_list,
-        required=True,
-        help="comma-separated rounds, e.g. 1,2,4,8,16 (at least two)",
-    )
-    add_target_args(parser, default_norm="deepnorm")
+    # no --exclude: lp.bound_sweep takes sublayers= only
+    add_target_args(parser, default_norm="deepnorm", R="list", exclude=False)
     parser.add_argument("--lr", type=float, default=1e-3, help="step size (1e-3)")
     parser.add_argument(
         "--optimizer",
-        choices=("sgd", "adam", "adamw"),
+        choices=UPDATES,
         default="sgd",
         help="a fresh optimizer's first step (sgd)",
     )
@@ -76,13 +78,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="step the looped sublayers only (the bound's subject) or all",
     )
     parser.set_defaults(func=run)
-
-
-def _r_list(text: str) -> list[int]:
-    try:
-        return int_list(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def build_report(args: argparse.Namespace) -> dict:
@@ -123,6 +118,7 @@ def _sweep(args: argparse.Namespace, Rs: list[int], targets: dict) -> object:
         Rs,
         lambda model: next(t.inputs for t in targets.values() if t.model is model),
         _per_model_loss(targets),
+        sublayers=first.sublayers,
         lr=args.lr,
         optimizer=args.optimizer,
         scope=args.scope,

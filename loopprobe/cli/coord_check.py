@@ -19,18 +19,17 @@ import argparse
 import pathlib
 import re
 
-from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
+from loopprobe.cli._common import (
+    add_json_arg,
+    add_size_args,
+    choice_list,
+    int_list,
+    print_json,
+    reference_work,
+    setup_sweep,
+    size_of,
+)
 from loopprobe.theory import COORD_QUANTITIES, SCHEMES
-
-
-def _schemes(text: str) -> list[str]:
-    values = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [v for v in values if v not in SCHEMES]
-    if bad or not values:
-        raise argparse.ArgumentTypeError(
-            f"--schemes {text!r}: each must be one of {', '.join(SCHEMES)}"
-        )
-    return values
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,17 +42,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "change since step 0; one figure per scheme and quantity, one panel per step."
         ),
     )
-    parser.add_argument("--schemes", type=_schemes, default=list(SCHEMES),
+    parser.add_argument("--schemes", type=choice_list(SCHEMES, "--schemes"), default=list(SCHEMES),
                         help="comma-separated: " + ", ".join(SCHEMES))  # fmt: skip
     parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8, 16], help="loop counts")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds 0..S-1")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds 0..S-1 (default 2)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (4)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
+    parser.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam",
+                        help="optimizer of the training steps (adam)")  # fmt: skip
     parser.add_argument("--K", type=int, default=1, help="physical blocks (R = N/K rounds)")
-    parser.add_argument("--d-model", dest="d_model", type=int, default=64)
-    parser.add_argument("--seq-len", dest="seq_len", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8)
+    add_size_args(parser, d_model=64, seq_len=32, batch=8, heads=False)
     parser.add_argument("--h0-rms", dest="h0_rms", default="1",
                         help="RMS of the loop input h_0 at init via a fixed embedding "
                         "multiplier (default 1); 'model' trains the model as built")  # fmt: skip
@@ -61,8 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="figures to draw: " + ", ".join(COORD_QUANTITIES))  # fmt: skip
     parser.add_argument("--cache", default=None, help="cache directory for the sweep cells")
     parser.add_argument("--out", required=True, help="output directory (CSV and figures)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(func=run)
+    add_json_arg(parser)
+    parser.set_defaults(func=run, cache_of=lambda args: args.cache)
 
 
 def _slug(text: str) -> str:
@@ -85,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         lr=args.lr,
         optimizer=args.optimizer,
-        d_model=args.d_model,
-        seq_len=args.seq_len,
-        batch=args.batch,
+        **size_of(args),
         h0_rms=None if args.h0_rms == "model" else float(args.h0_rms),
         cache_dir=args.cache,
     )

@@ -19,7 +19,7 @@ import argparse
 import os
 from typing import Any
 
-from loopprobe.cli.kappa import add_target_args
+from loopprobe.cli._common import add_target_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,11 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "global batch. Rank 0 prints the report."
         ),
     )
-    parser.add_argument("--R", type=int, default=None, help="rounds (default 4)")
-    add_target_args(parser, default_norm="deeploop")
-    parser.add_argument(
-        "--update", choices=("sgd", "adam", "adamw"), default="sgd", help="effective update G"
-    )
+    add_target_args(parser, default_norm="deeploop", R="one")
     parser.add_argument(
         "--backend",
         default=None,
@@ -73,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from loopprobe import tasks
     from loopprobe.cli import _target
     from loopprobe.cli._common import emit
     from loopprobe.cli.kappa import build_report, format_report
+    from loopprobe.report.common import resolve_loss
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend)
@@ -88,17 +84,11 @@ def run(args: argparse.Namespace) -> int:
         if backend == "nccl":
             target.model = target.model.cuda()
             target.inputs = _cuda(target.inputs)
-        if args.loss is None and target.loss_name.startswith("cross-entropy on random tokens"):
-            # The default loss holds the whole batch's targets: rebuild it on this shard.
-            cfg = target.model.cfg
-            seq = args.seq if args.model is None else cfg.seq_len
-            g = torch.Generator().manual_seed(args.seed)
-            _, targets = tasks.random_tokens(args.batch, seq, cfg.vocab_size, g)
+        if target.targets is not None and args.loss is None:
+            # The default cross-entropy holds the whole batch's targets: this rank's shard.
             pick = target.output if target.output is not None else (lambda out: out)
-            loss, name = _target._fallback_loss(pick, shard(targets, rank, world, "targets"))
-            if args.model is not None:
-                loss = _target.DefaultLoss(loss, name)
-            target.loss_fn = loss
+            mine = shard(target.targets, rank, world, "targets")
+            target.loss_fn, target.loss_name = resolve_loss(None, pick, mine)
         batch = _batch(target.inputs)
         target.inputs = shard(target.inputs, rank, world)
         target.model = DDP(target.model)

@@ -8,18 +8,22 @@ Example::
 
 ``--model`` names a factory returning a model with ``embed(idx)`` and ``step(h, x)`` (and
 ``cfg.R`` for the unrolled comparison); ``--inputs`` names a function ``fn(model)``
-returning the token ids. Reference: docs/definitions.md §4.
+returning the token ids. Any other looped model: ``--step pkg.mod:fn`` with
+``fn(model, inputs) -> lp.RoundMap`` (called like ``lp.round_map``; e.g.
+``return lp.replay_round(model, inputs, "block")``). Reference: docs/definitions.md §4.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from loopprobe._io import call_user, load_model, load_object
-from loopprobe.cli._common import apply_threads, print_json
+from loopprobe._io import load_model, load_object, user_inputs
+from loopprobe.cli._common import add_json_arg, add_user_model_args, apply_threads, print_json
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 
@@ -38,16 +42,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "outer_norm=True."
         ),
     )
-    parser.add_argument("--model", default=None, help="pkg.mod:factory returning the model")
-    parser.add_argument("--inputs", default=None, help="pkg.mod:fn, fn(model) -> token ids")
+    add_user_model_args(
+        parser, "model", "inputs", "step",
+        helps={
+            "model": "factory returning a model with embed(idx) and step(h, x) (and cfg.R for "
+            "the unrolled comparison), or any model together with --step",
+            "inputs": "fn(model) -> token ids (or what --step's function takes)",
+        },
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the default model/inputs")
     parser.add_argument("--seq-len", type=int, default=16, help="length of the default inputs")
-    parser.add_argument("--method", choices=["picard", "anderson"], default="picard")
+    parser.add_argument("--method", choices=["picard", "anderson"], default="picard",
+                        help="plain iteration (as the model runs) or Anderson")  # fmt: skip
     parser.add_argument("--tol", type=float, default=1e-6, help="residual tolerance")
     parser.add_argument("--max-iter", type=int, default=200, help="most fixed-point updates")
     parser.add_argument("--k", type=int, default=6, help="eigenvalues of dT/dh to report")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float64")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float64",
+                        help="cast the model (default float64)")  # fmt: skip
+    add_json_arg(parser)
     parser.set_defaults(func=run)
 
 
@@ -64,32 +76,23 @@ def default_model(seed: int = 0) -> torch.nn.Module:
 
 def report(
     model: torch.nn.Module,
-    idx: torch.Tensor,
+    idx: Any,
     *,
     method: str = "picard",
     tol: float = 1e-6,
     max_iter: int = 200,
     k: int = 6,
     seed: int = 0,
+    step: Callable | None = None,
 ) -> dict:
-    """All fixed-point diagnostics of ``model`` at ``idx`` as one flat dict."""
-    import torch
+    """All fixed-point diagnostics of ``model`` at ``idx`` as one flat dict (the runner of
+    the report's fixed-point section); input-dependence only where the fixed point was
+    reached (``None`` otherwise)."""
+    from loopprobe.report.sections_fixedpoint import probe_round, round_map_of
 
-    from loopprobe.differentiate.roundmap import round_map
-    from loopprobe.estimate.fixedpoint import (
-        fixed_point,
-        jacobian_norm,
-        round_residuals,
-        spectral_radius,
-    )
-    from loopprobe.estimate.implicit import input_dependence
-
-    rm = round_map(model, idx)
-    fp = fixed_point(rm.T, rm.h0, tol=tol, max_iter=max_iter, method=method)
-    gen = torch.Generator().manual_seed(seed)
-    sr = spectral_radius(rm.T, fp.h, k=k, generator=gen)
-    jn = jacobian_norm(rm.T, fp.h, generator=gen)
-    dep = input_dependence(rm.step, fp.h, rm.x, rounds=rm.rounds, generator=gen)
+    rm = round_map_of(model, idx, step)
+    p = probe_round(rm, methods=(method,), tol=tol, max_iter=max_iter, k=k, seed=seed)
+    fp, sr, jn, dep, rr = p["fp"], p["sr"], p["jn"], p["dep"], p["rr"]
     out = {
         "state_shape": list(fp.h.shape),
         "dtype": str(fp.h.dtype).removeprefix("torch."),
@@ -105,15 +108,14 @@ def report(
         "eigenvalues": [[float(e.real), float(e.imag)] for e in sr.eigenvalues],
         "jacobian_norm": jn.value,
         "jacobian_norm_converged": jn.converged,
-        "input_dependence": dep.value,
-        "input_dependence_unrolled": dep.unrolled.value if dep.unrolled else None,
-        "input_dependence_gap": dep.gap,
-        "input_dependence_converged": dep.converged,
-        "input_dependence_reason": dep.reason,
+        "input_dependence": dep.value if dep else None,
+        "input_dependence_unrolled": dep.unrolled.value if dep and dep.unrolled else None,
+        "input_dependence_gap": dep.gap if dep else None,
+        "input_dependence_converged": dep.converged if dep else False,
+        "input_dependence_reason": dep.reason if dep else "the fixed point was not reached",
         "rounds": rm.rounds,
     }
-    if rm.rounds is not None:
-        rr = round_residuals(rm.T, rm.h0, rm.rounds, h_star=fp.h if fp.converged else None)
+    if rr is not None:
         out["rounds_residual"] = rr.residual
         out["rounds_distance"] = rr.distance
     out["residuals"] = fp.residuals
@@ -125,22 +127,23 @@ def run(args: argparse.Namespace) -> int:
 
     from loopprobe._threads import work
 
-    if args.model is None:
-        model = default_model(args.seed)
-    else:
-        model = load_model(args.model)
+    model = default_model(args.seed) if args.model is None else load_model(args.model)
     model = model.to(getattr(torch, args.dtype))
+    if args.step is not None and args.model is None:
+        raise ValueError("--step only applies together with --model")
+    step = load_object(args.step, "--step") if args.step else None
     if args.inputs is not None:
-        idx = call_user(load_object(args.inputs, "--inputs"), "--inputs", args.inputs, model)
+        idx = user_inputs(args.inputs, model)
     else:
         vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
         if vocab is None:
             raise ValueError("the model has no cfg.vocab_size; pass --inputs pkg.mod:fn")
         gen = torch.Generator().manual_seed(args.seed)
         idx = torch.randint(0, vocab, (1, args.seq_len), generator=gen)
-    apply_threads(args, work(model, idx))
+    if isinstance(idx, torch.Tensor):
+        apply_threads(args, work(model, idx))
     out = report(model, idx, method=args.method, tol=args.tol, max_iter=args.max_iter,
-                 k=args.k, seed=args.seed)  # fmt: skip
+                 k=args.k, seed=args.seed, step=step)  # fmt: skip
     if args.json:
         print_json(out)
         return 0

@@ -18,23 +18,19 @@ import argparse
 import math
 import pathlib
 
-from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
+from loopprobe.cli._common import (
+    add_json_arg,
+    add_size_args,
+    add_user_model_args,
+    choice_list,
+    increment_spec,
+    int_list,
+    print_json,
+    reference_work,
+    setup_sweep,
+    size_of,
+)
 from loopprobe.theory import RESIDUALS, TYINGS
-
-# the module, not the function ``lp.increments`` that shadows it on the package
-
-
-def _choices(allowed: tuple[str, ...], what: str):
-    def parse(text: str) -> list[str]:
-        values = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [v for v in values if v not in allowed]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(
-                f"{what} {text!r}: each value must be one of {', '.join(allowed)}"
-            )
-        return values
-
-    return parse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,16 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "physical block applied N times; untied: N distinct blocks applied once."
         ),
     )
-    parser.add_argument("--tying", type=_choices(TYINGS, "--tying"), default=["tied"],
+    parser.add_argument("--tying", type=choice_list(TYINGS, "--tying"), default=["tied"],
                         help="tied, untied or both (comma-separated)")  # fmt: skip
-    parser.add_argument("--residual", type=_choices(RESIDUALS, "--residual"), default=["1/N"],
+    parser.add_argument("--residual", type=choice_list(RESIDUALS, "--residual"), default=["1/N"],
                         help="none, 1/sqrt(N), 1/N, loop-mup (comma-separated)")  # fmt: skip
     parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8, 16, 32], help="loop counts")
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 (default 3)")
-    parser.add_argument("--d-model", dest="d_model", type=int, default=64)
-    parser.add_argument("--n-heads", dest="n_heads", type=int, default=4)
-    parser.add_argument("--seq-len", dest="seq_len", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8)
+    add_size_args(parser, d_model=64, seq_len=32, batch=8, heads=True)
     parser.add_argument(
         "--h0-rms",
         dest="h0_rms",
@@ -68,8 +61,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--cache", default=None, help="cache directory for the sweep cells")
     parser.add_argument("--out", default=None, help="directory for increments.csv and growth.png")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.set_defaults(func=run)
+    add_json_arg(parser)
+    add_user_model_args(
+        parser, "model", "inputs", "forward", "sublayers", "exclude", "increment",
+        title="your own model (one forward pass instead of the reference sweep)",
+    )  # fmt: skip
+    parser.set_defaults(func=run, cache_of=lambda args: args.cache)
 
 
 def _h0(text: str) -> float | None:
@@ -85,6 +82,11 @@ def _h0(text: str) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _run_user(args)
+    for flag in ("inputs", "forward", "sublayers", "exclude", "increment"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag} only applies together with --model")
     from loopprobe.experiments.growth import reference_growth
 
     # untied: N blocks of one model, the largest the sweep builds
@@ -100,10 +102,7 @@ def run(args: argparse.Namespace) -> int:
                     residual,
                     args.N,
                     list(range(args.seeds)),
-                    d_model=args.d_model,
-                    n_heads=args.n_heads,
-                    seq_len=args.seq_len,
-                    batch=args.batch,
+                    **size_of(args),
                     h0_rms=h0,
                     cache_dir=args.cache,
                 )
@@ -162,3 +161,36 @@ def _save(results: list, out: pathlib.Path) -> None:
 
     fig = plots.increment_growth(df, hue="residual", style="tying")
     fig.savefig(out / "growth.png", dpi=120)
+
+
+def _run_user(args: argparse.Namespace) -> int:
+    """``lp.increments`` on the user's model: one forward pass, increments per visit."""
+    from loopprobe import attach
+    from loopprobe._io import load_model, load_object, user_inputs
+    from loopprobe.estimate.increments import increments
+
+    model = load_model(args.model)
+    if args.inputs is None:
+        raise ValueError("--model needs --inputs package.module:fn returning the model's inputs")
+    inputs = user_inputs(args.inputs, model)
+    forward = load_object(args.forward, "--forward") if args.forward else None
+    how = dict(forward=forward, increment=increment_spec(args.increment) or "auto")
+    with attach(model, args.sublayers, exclude=args.exclude) as probe:
+        inc = increments(probe, inputs, **how)
+    summary = {k: v for k, v in inc.summary().items() if isinstance(v, (int, float, str, bool))}
+    report = {
+        "model": args.model,
+        **summary,
+        "measured": dict(inc.measured),
+        "evidence": dict(inc.evidence),
+        "groups": inc.group_frame().to_dict("records"),
+    }
+    if args.json:
+        print_json(report)
+        return 0
+    print(f"loopprobe increments: {args.model}, one forward pass")
+    for key, value in summary.items():
+        print(f"{key:>24}  {value:.4g}" if isinstance(value, float) else f"{key:>24}  {value}")
+    for name, mode in inc.measured.items():
+        print(f"{name}: increment measured as {mode} ({inc.evidence[name]})")
+    return 0

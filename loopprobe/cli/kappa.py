@@ -36,10 +36,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from loopprobe.cli._common import emit, text_table
+from loopprobe.cli._common import add_target_args, check_positive, emit, text_table
 
-NORMS = ("pre", "post", "deepnorm", "deeploop")
-DTYPES = ("float32", "float64")
 SUBLAYER_KEYS = (
     "sublayer",
     "role",
@@ -69,91 +67,6 @@ VISIT_KEYS = (
 )
 
 
-# --------------------------------------------------------------------------- arguments
-
-
-def add_target_args(parser: argparse.ArgumentParser, *, default_norm: str) -> None:
-    """Arguments shared by ``kappa`` and ``bound`` (``--R`` is added by each command)."""
-    ref = parser.add_argument_group("reference model (ignored with --model)")
-    ref.add_argument("--K", type=int, default=2, help="physical blocks (default 2)")
-    ref.add_argument(
-        "--norm",
-        choices=NORMS,
-        default=default_norm,
-        help=f"residual scheme (default {default_norm})",
-    )
-    ref.add_argument("--d-model", dest="d_model", type=int, default=32, help="width (32)")
-    ref.add_argument("--heads", type=int, default=4, help="attention heads (4)")
-    ref.add_argument("--seq", type=int, default=16, help="sequence length (16)")
-    ref.add_argument("--batch", type=int, default=4, help="batch size (4)")
-    ref.add_argument("--vocab", type=int, default=64, help="vocabulary size (64)")
-    user = parser.add_argument_group("your own model")
-    user.add_argument(
-        "--model", default=None, metavar="PKG.MOD:FACTORY", help="factory returning an nn.Module"
-    )
-    user.add_argument(
-        "--inputs",
-        default=None,
-        metavar="PKG.MOD:FN",
-        help="fn(model) or fn() returning what the model is called with",
-    )
-    user.add_argument(
-        "--loss",
-        default=None,
-        metavar="PKG.MOD:FN",
-        help="loss_fn(output, inputs) -> scalar (default: the model's own .loss if it returns "
-        "one, else cross-entropy on random tokens with cfg.vocab_size, else 0.5 mean(F^2))",
-    )
-    user.add_argument(
-        "--forward",
-        default=None,
-        metavar="PKG.MOD:FN",
-        help="fn(model, inputs) -> output, for models called in another way (e.g. a model that "
-        "takes a dict itself: return model(inputs)); default model(*inputs) for a tuple, "
-        "model(**inputs) for a mapping, else model(inputs)",
-    )
-    user.add_argument(
-        "--output",
-        default=None,
-        metavar="PKG.MOD:FN",
-        help="fn(output) -> the tensor F (default: the output itself, or its .logits when it "
-        "is not a tensor, e.g. a Hugging Face ModelOutput)",
-    )
-    user.add_argument("--alpha", type=float, default=None, help="residual scale (default cfg)")
-    user.add_argument("--beta", type=float, default=None, help="init gain (default cfg)")
-    est = parser.add_argument_group("estimation")
-    est.add_argument("--seed", type=int, default=0, help="init, tokens, probes and dropout (0)")
-    est.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="cast the model (default: float64 for the reference model, unchanged for --model)",
-    )
-    est.add_argument(
-        "--max-iter",
-        dest="max_iter",
-        type=int,
-        default=100,
-        help="iterations per operator norm (100; Lanczos or power iteration, see --tol)",
-    )
-    est.add_argument(
-        "--tol",
-        type=float,
-        default=None,
-        help="stopping tolerance: Lanczos's relative residual (default 1e-6 in float64) or "
-        "power iteration's relative change (1e-10); 1e-5 in float32",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def check_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(args, name)
-        if value < 1:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
-
-
 # --------------------------------------------------------------------------- kappa
 
 
@@ -169,16 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "tokens and cross-entropy."
         ),
     )
-    parser.add_argument(
-        "--R", type=int, default=None, help="rounds (default 4; with --model, passed as factory(R))"
-    )
-    add_target_args(parser, default_norm="deeploop")
-    parser.add_argument(
-        "--update",
-        choices=("sgd", "adam", "adamw"),
-        default="sgd",
-        help="effective update G: gradient or a fresh optimizer's first step",
-    )
+    add_target_args(parser, default_norm="deeploop", R="one")
     parser.set_defaults(func=run)
 
 
@@ -188,29 +92,19 @@ def build_report(args: argparse.Namespace, target: Any = None) -> dict:
     check_positive(args, ("K", "d_model", "heads", "seq", "batch", "vocab", "max_iter"))
     if args.R is not None:
         check_positive(args, ("R",))
-    import torch
-
     from loopprobe._threads import work
     from loopprobe.cli._common import apply_threads
     from loopprobe.cli._target import build_target, call_hint, describe
-    from loopprobe.estimate.alignment import visit_alignment
-    from loopprobe.record.probe import attach
+    from loopprobe.report.sections_alignment import run_alignment
 
     target = target or build_target(args, args.R)
     apply_threads(args, work(target.model, target.inputs))
-    with attach(target.model) as probe, call_hint(target):
-        rep = visit_alignment(
-            probe,
-            target.inputs,
-            target.loss_fn,
-            forward=target.forward,
-            output=target.output,
-            update=args.update,
-            max_iter=args.max_iter,
-            tol=args.tol,
-            generator=torch.Generator().manual_seed(args.seed),
-            seed=args.seed,
-        )
+    with call_hint(target):
+        rep, _ = run_alignment(
+            target.model, target.inputs, target.loss_fn, forward=target.forward,
+            output=target.output, sublayers=target.sublayers, exclude=target.exclude,
+            update=args.update, max_iter=args.max_iter, tol=args.tol, seed=args.seed,
+        )  # fmt: skip
     ratio = None
     if target.alpha is not None and target.beta is not None:
         ratio = target.beta / target.alpha

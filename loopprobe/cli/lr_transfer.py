@@ -17,7 +17,16 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from loopprobe.cli._common import int_list, print_json, reference_work, setup_sweep
+from loopprobe.cli._common import (
+    add_json_arg,
+    add_size_args,
+    choice_list,
+    int_list,
+    print_json,
+    reference_work,
+    setup_sweep,
+    size_of,
+)
 from loopprobe.theory import RESIDUALS
 
 
@@ -31,16 +40,6 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-def _residuals(text: str) -> list[str]:
-
-    values = [t.strip() for t in text.split(",") if t.strip()]
-    if not values or any(v not in RESIDUALS for v in values):
-        raise argparse.ArgumentTypeError(
-            f"--residual {text!r}: each must be one of {', '.join(RESIDUALS)}"
-        )
-    return values
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "lr-transfer",
@@ -50,21 +49,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "residual rule; reports the argmin lr per N and its drift in grid steps."
         ),
     )
-    parser.add_argument("--residual", type=_residuals, default=["1/sqrt(N)", "1/N"])
-    parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8])
-    parser.add_argument("--lr", type=_floats, default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2])
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--d-model", dest="d_model", type=int, default=64)
-    parser.add_argument("--n-heads", dest="n_heads", type=int, default=4)
-    parser.add_argument("--seq-len", dest="seq_len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--eval-batches", dest="eval_batches", type=int, default=8)
+    parser.add_argument("--residual", type=choice_list(RESIDUALS, "--residual"),
+                        default=["1/sqrt(N)", "1/N"],
+                        help="residual rules: " + ", ".join(RESIDUALS))  # fmt: skip
+    parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8],
+                        help="loop counts, comma-separated (1,2,4,8)")  # fmt: skip
+    parser.add_argument("--lr", type=_floats, default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2],
+                        help="learning-rate grid, comma-separated (1e-3 .. 3.2e-2)")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..S-1 (default 1)")
+    parser.add_argument("--steps", type=int, default=150, help="AdamW steps per run (150)")
+    add_size_args(parser, d_model=64, seq_len=64, batch=16, heads=True)
+    parser.add_argument("--eval-batches", dest="eval_batches", type=int, default=8,
+                        help="held-out batches of the evaluated loss (8)")  # fmt: skip
     parser.add_argument("--cache", default=None, help="cache directory (resumable)")
     parser.add_argument("--out", default=None, help="directory for lr_transfer.csv and .png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar")
-    parser.add_argument("--json", action="store_true")
-    parser.set_defaults(func=run)
+    add_json_arg(parser)
+    parser.set_defaults(func=run, cache_of=lambda args: args.cache)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,10 +78,7 @@ def run(args: argparse.Namespace) -> int:
         args.lr,
         list(range(args.seeds)),
         steps=args.steps,
-        d_model=args.d_model,
-        n_heads=args.n_heads,
-        seq_len=args.seq_len,
-        batch=args.batch,
+        **size_of(args),
         eval_batches=args.eval_batches,
         cache_dir=args.cache,
         progress=args.progress,

@@ -15,7 +15,7 @@ import argparse
 import pathlib
 from typing import TYPE_CHECKING
 
-from loopprobe.cli._common import emit, text_table
+from loopprobe.cli._common import add_json_arg, check_writable, emit, text_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a phi CI wider than this means phi is not identified (default 1)",
     )  # fmt: skip
     parser.add_argument("--plot", default=None, help="write loss vs N_eff with the law (PNG)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_arg(parser)
     parser.set_defaults(func=run)
 
 
@@ -65,6 +65,8 @@ def _read(path: str) -> pd.DataFrame:
 def run(args: argparse.Namespace) -> int:
     from loopprobe.estimate import scaling
 
+    if args.plot:
+        check_writable(args.plot, "--plot")  # before the fit, not after it
     df = _read(args.csv)
     fit = scaling.fit_recurrence_law(
         df, bootstrap=args.bootstrap, restarts=args.restarts, seed=args.seed,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 
+from loopprobe.cli._common import add_json_arg, add_user_model_args
+
 # The headline rows of the compact table (observation, metric); --all prints every row.
 HEADLINE = (
     ("similarity", "cos_mean"),
@@ -46,8 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "model: an untrained LoopedGPT (K=2, R=4, d=32)."
         ),
     )
-    parser.add_argument("--model", default=None, help="pkg.mod:factory returning the model")
-    parser.add_argument("--inputs", default=None, help="pkg.mod:fn, fn(model) -> model inputs")
+    add_user_model_args(parser, "model", "inputs", "forward")
     parser.add_argument("--seed", type=int, default=0, help="seed of the default model/inputs")
     parser.add_argument("--batch", type=int, default=2, help="sequences in the default inputs")
     parser.add_argument("--seq-len", type=int, default=32, help="length of the default inputs")
@@ -58,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also simulate the lazy token update (KL and saved work vs kept fraction f)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_arg(parser)
     parser.set_defaults(func=run)
 
 
@@ -86,7 +87,7 @@ def table(res, every: bool = False) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from loopprobe._io import call_user, load_model, load_object
+    from loopprobe._io import load_model, load_object, user_inputs
     from loopprobe._threads import work
     from loopprobe.cli._common import apply_threads, print_json
     from loopprobe.estimate.redundancy import redundancy
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model = load_model(args.model)
     if args.inputs is not None:
-        inputs = call_user(load_object(args.inputs, "--inputs"), "--inputs", args.inputs, model)
+        inputs = user_inputs(args.inputs, model)
     else:
         cfg = getattr(model, "cfg", None)
         vocab = getattr(cfg, "vocab_size", None)
@@ -107,7 +108,12 @@ def run(args: argparse.Namespace) -> int:
         inputs = torch.randint(0, vocab, (args.batch, T), generator=gen)
     if isinstance(inputs, torch.Tensor):
         apply_threads(args, work(model, inputs))
-    res = redundancy(model, inputs, group=args.group, seed=args.seed)
+    if args.forward is not None and args.model is None:
+        raise ValueError("--forward only applies together with --model")
+    if args.forward is not None and args.lazy:
+        raise ValueError("--lazy runs the model as model(inputs); it does not take --forward")
+    forward = load_object(args.forward, "--forward") if args.forward else None
+    res = redundancy(model, inputs, forward=forward, group=args.group, seed=args.seed)
     lazy = None
     if args.lazy:
         from loopprobe.estimate.redundancy.lazy import lazy_update

@@ -19,12 +19,12 @@ from __future__ import annotations
 import argparse
 import math
 
-from loopprobe._io import load_object
-from loopprobe.cli._common import apply_threads, reference_work
+from loopprobe.cli._common import add_user_model_args, apply_threads, increment_spec, reference_work
 
 #: the report's sections, in page order (tests check it against loopprobe.report.SECTIONS;
 #: listed here so that --help does not import the report and torch)
 SECTION_KEYS = (
+    "health",
     "theory",
     "visits",
     "alignment",
@@ -51,38 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("--out", default="loopprobe-report", help="output directory")
-    parser.add_argument("--model", default=None, help="package.module:factory -> nn.Module")
-    parser.add_argument(
-        "--inputs",
-        default=None,
-        help="package.module:fn; fn(model) or fn() -> the model's inputs (tensor or tuple)",
-    )
-    parser.add_argument(
-        "--loss",
-        default=None,
-        help="package.module:fn; loss(output, inputs) -> scalar (default: mean square of F)",
-    )
-    parser.add_argument(
-        "--output",
-        default=None,
-        help="package.module:fn; output(out) -> the tensor F (default: the output if it is a "
-        "tensor, else its .logits, ['logits'] or first tensor)",
-    )
-    parser.add_argument(
-        "--forward",
-        default=None,
-        help="package.module:fn; fn(model, inputs) -> output, for models called in another "
-        "way (a mapping is passed as model(**inputs), a tuple as model(*inputs))",
-    )
-    parser.add_argument(
-        "--alpha",
-        type=float,
-        default=None,
-        help="residual scale of --model for the bound check (default model.cfg.alpha; without "
-        "either the check is skipped)",
-    )
-    parser.add_argument(
-        "--beta", type=float, default=None, help="init gain of --model (default model.cfg.beta)"
+    add_user_model_args(
+        parser,
+        helps={
+            "alpha": "residual scale of --model for the bound check (default model.cfg.alpha; "
+            "without either the check is skipped)",
+            "beta": "init gain of --model for the bound check (default model.cfg.beta)",
+        },
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
     parser.add_argument(
@@ -92,18 +67,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--no-cache", action="store_true", help="recompute every sweep cell")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, cache_of=_cache_of)
+
+
+def _cache_of(args: argparse.Namespace) -> str | None:
+    """Where the report caches its sweep cells: OUT/cache (reference runs, unless --no-cache)."""
+    return None if args.model is not None or args.no_cache else f"{args.out}/cache"
 
 
 def run(args: argparse.Namespace) -> int:
     from loopprobe import report
     from loopprobe._threads import work
+    from loopprobe.cli._target import NEEDS_MODEL
 
-    if args.inputs is not None and args.model is None:
-        raise ValueError("--inputs needs --model (the reference model makes its own inputs)")
-    for flag in ("loss", "output", "forward", "alpha", "beta"):
-        if getattr(args, flag) is not None and args.model is None:
-            raise ValueError(f"--{flag} needs --model (the reference model brings its own)")
+    if args.model is None:
+        for flag in (*NEEDS_MODEL, "alpha", "beta"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag} needs --model (the reference model brings its own)")
     for flag in ("alpha", "beta"):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -119,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
     user = None
     if args.model is not None:
         user = report.load_user_model(
-            args.model, args.inputs, args.loss, seed=cfg.seed, output_spec=args.output
-        )
-        user.forward = load_object(args.forward, "--forward") if args.forward else None
-        user.alpha, user.beta = args.alpha, args.beta
+            args.model, args.inputs, args.loss, seed=cfg.seed, output_spec=args.output,
+            forward_spec=args.forward, step_spec=args.step,
+            increment=increment_spec(args.increment), sublayers=args.sublayers,
+            exclude=args.exclude, alpha=args.alpha, beta=args.beta,
+        )  # fmt: skip
         apply_threads(args, work(user.model, user.inputs))
     else:  # the largest reference model the report builds: the untied growth sweep
         apply_threads(args, reference_work(cfg.d_model, cfg.seq_len, cfg.batch, max(cfg.Ns)))

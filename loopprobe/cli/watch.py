@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from loopprobe.cli._common import emit, text_table
+from loopprobe.cli._common import add_json_arg, emit, text_table
 
 #: loopprobe.experiments.watch.SCHEMES (a test checks they agree; listed here so that --help
 #: does not import torch)
@@ -41,19 +41,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--K", type=int, default=2, help="physical blocks (default 2)")
     parser.add_argument("--R", type=int, default=8, help="rounds (default 8)")
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--d-model", type=int, default=32, help="width (32)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (4)")
+    parser.add_argument("--seq", type=int, default=32, help="sequence length (32)")
+    parser.add_argument("--batch", type=int, default=16, help="batch size (16)")
+    parser.add_argument("--steps", type=int, default=300, help="AdamW steps per scheme (300)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate (3e-3)")
     parser.add_argument("--every", type=int, default=25, help="monitor every N steps")
     parser.add_argument("--kappa-every", type=int, default=150, help="kappa_R and rho every N")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="init, data and probe seed (0)")
     parser.add_argument("--out", default="loopprobe-watch", help="directory for CSV, PNG, cache")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(func=run)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_json_arg(parser)
+    parser.set_defaults(func=run, cache_of=lambda args: f"{args.out}/cache")
 
 
 def build_report(args: argparse.Namespace) -> dict:

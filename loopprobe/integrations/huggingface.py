@@ -26,15 +26,15 @@ on the Trainer's model when training begins. transformers is imported when
 
 from __future__ import annotations
 
-import functools
 from typing import Any
+
+from loopprobe.integrations import lazy_callback
 
 __all__ = ["MonitorCallback"]  # noqa: F822 - built on first lookup (module __getattr__)
 
 CALL = "MonitorCallback"
 
 
-@functools.cache
 def _callback_class() -> type:
     try:
         from transformers import TrainerCallback
@@ -113,11 +113,7 @@ def _callback_class() -> type:
         def on_train_end(self, args, state, control, **kwargs):
             self.monitor.close()
 
-    MonitorCallback.__module__ = __name__
     return MonitorCallback
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MonitorCallback":
-        return _callback_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_callback(__name__, _callback_class)

@@ -23,9 +23,9 @@ imported when ``MonitorCallback`` is first looked up, not with this module.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from typing import Any
+
+from loopprobe.integrations import lazy_callback
 
 __all__ = ["MonitorCallback"]  # noqa: F822 - built on first lookup (module __getattr__)
 
@@ -45,7 +45,6 @@ def _base() -> type:
     return Callback
 
 
-@functools.cache
 def _callback_class() -> type:
     from loopprobe.monitor.monitor import Monitor
     from loopprobe.monitor.sinks import scalars
@@ -94,11 +93,7 @@ def _callback_class() -> type:
         def on_train_end(self, trainer, pl_module):
             self.monitor.close()
 
-    MonitorCallback.__module__ = __name__
     return MonitorCallback
 
 
-def __getattr__(name: str) -> Any:
-    if name == "MonitorCallback":
-        return _callback_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_callback(__name__, _callback_class)

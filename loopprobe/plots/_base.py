@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -16,7 +17,7 @@ CALLER_PYPLOT = "matplotlib.pyplot" in sys.modules
 import seaborn as sns  # noqa: E402 - after the check above
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 REF = {"color": "0.45", "linestyle": "--", "linewidth": 1.0}  # reference (theory) lines
 
@@ -120,14 +121,24 @@ def legend_below(fig: Figure, ax: Axes) -> None:
         fig.legend(handles, labels, loc="outside lower center", fontsize="small", ncols=2)
 
 
+def _log_ticks_within(lo: float, hi: float) -> int:
+    """How many of the log axis's ticks (1..9 x 10^k) lie in ``[lo, hi]``."""
+    first, last = math.floor(math.log10(lo)), math.floor(math.log10(hi))
+    return sum(lo <= m * 10.0**e <= hi for e in range(first, last + 1) for m in range(1, 10))
+
+
 def log_y(ax: Axes) -> None:
     """Log y axis; plain ``%.3g`` labels up to two decades of data, decades only above."""
     ax.set_yscale("log")
     lo, hi = ax.get_ylim()
     if lo > 0 and hi / lo < 10:
         fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+        if _log_ticks_within(lo, hi) < 2:  # e.g. 2.31e-3 .. 2.36e-3: no 1-9 x 10^k inside
+            ax.yaxis.set_major_locator(MaxNLocator(4))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        else:
+            ax.yaxis.set_minor_formatter(fmt)
         ax.yaxis.set_major_formatter(fmt)
-        ax.yaxis.set_minor_formatter(fmt)
     elif lo > 0 and hi / lo < 100:  # one or two decades: label 2x and 5x as well
         fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
         ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))

@@ -93,8 +93,10 @@ def coord_check(
 
     Columns: ``x`` (N), ``y`` (activation size or its change since step 0, e.g. RMS),
     ``col`` (step; one panel each, at most ``max_cols`` spread evenly), ``hue`` (sublayer
-    or visit group). ``ylabel`` defaults to ``y``. Seeds are averaged. Flat lines mean the
-    parameterization is stable in N (the looped analogue of mup's coord check).
+    or visit group). ``ylabel`` defaults to the rows' ``quantity`` when they hold one
+    (e.g. ``RMS(h_N(t) − h_N(0))  (state_change)``), else to ``y``. Seeds are averaged.
+    Flat lines mean the parameterization is stable in N (the looped analogue of mup's
+    coord check).
     Reference: docs/definitions.md §5; issue 4.
     """
     df = check_frame("coord_check", df, {"x": x, "y": y, "col": col, "hue": hue})
@@ -114,10 +116,29 @@ def coord_check(
         if logy:
             log_y(ax)
         ax.set(xlabel="N (loops)", title=f"{col} {step}")
-    axes[0, 0].set_ylabel(ylabel or y)
+    axes[0, 0].set_ylabel(ylabel or _quantity_label(df, y))
     side_legend(fig, axes[0, -1], title=hue)
     fig.suptitle(title)
     return fig
+
+
+#: axis labels of the coordinate check's quantities (loopprobe.theory.COORD_QUANTITIES)
+QUANTITY_LABELS = {
+    "increment": "RMS of the visit's increment",
+    "increment_change": "RMS(inc(t) − inc(0))",
+    "state": "RMS of the final state h_N",
+    "state_change": "RMS(h_N(t) − h_N(0))",
+}
+
+
+def _quantity_label(df: pd.DataFrame, y: str) -> str:
+    """The y label when none is given: the quantity the rows hold (one ``quantity``
+    value: its description and name), else the column name."""
+    values = df["quantity"].unique() if "quantity" in df.columns else []
+    if len(values) != 1:
+        return y
+    q = str(values[0])
+    return f"{QUANTITY_LABELS[q]}  ({q})" if q in QUANTITY_LABELS else q
 
 
 def lr_transfer(

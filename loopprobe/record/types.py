@@ -168,11 +168,61 @@ def model_loss(out: Any) -> torch.Tensor | None:
     return None
 
 
-def default_loss(loss_fn: LossFn | None, call: str) -> LossFn:
-    """``loss_fn``, or when it is ``None`` the loss ``(out, inputs) -> model_loss(out)``,
-    which raises a ``ValueError`` naming ``call`` for an output without a scalar loss."""
-    if loss_fn is not None:
+def check_loss(loss_fn: LossFn, call: str) -> LossFn:
+    """``loss_fn`` checked: it must take ``(output, inputs)`` (a ``TypeError`` naming
+    ``call`` and that signature before anything runs, when its signature is readable) and
+    return a scalar (a ``ValueError`` with the shape it returned instead, never the tensor).
+    """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"{call}: loss_fn is a {type(loss_fn).__name__}, not a function; pass "
+            "loss_fn(output, inputs) returning a scalar tensor"
+        )
+    if getattr(loss_fn, "_loopprobe_checked", None) == call:
         return loss_fn
+    try:
+        inspect.signature(loss_fn).bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"{call}: loss_fn{_signature(loss_fn)} cannot be called as loss_fn(output, "
+            "inputs) (output: what the model returns; inputs: what it was called with); "
+            "write def loss_fn(output, inputs): ... returning a scalar (ignore inputs if "
+            "you do not need them)"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): find out when it is called
+        pass
+
+    def checked(out: Any, inputs: Any) -> torch.Tensor:
+        loss = loss_fn(out, inputs)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{call}: loss_fn(output, inputs) returned a {type(loss).__name__}, not a "
+                "tensor; return a scalar torch tensor (the loss to differentiate)"
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"{call}: loss_fn(output, inputs) returned a tensor of shape "
+                f"{tuple(loss.shape)}, not a scalar; reduce it (e.g. .mean() or .sum())"
+            )
+        return loss
+
+    checked._loopprobe_checked = call  # type: ignore[attr-defined]
+    return checked
+
+
+def _signature(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return ""
+
+
+def default_loss(loss_fn: LossFn | None, call: str) -> LossFn:
+    """``loss_fn`` (checked by :func:`check_loss`), or when it is ``None`` the loss
+    ``(out, inputs) -> model_loss(out)``, which raises a ``ValueError`` naming ``call`` for
+    an output without a scalar loss."""
+    if loss_fn is not None:
+        return check_loss(loss_fn, call)
 
     def own_loss(out: Any, _inputs: Any) -> torch.Tensor:
         loss = model_loss(out)

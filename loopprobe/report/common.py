@@ -15,6 +15,7 @@ from torch import nn
 import loopprobe
 from loopprobe import tasks
 from loopprobe._io import load_model, load_object
+from loopprobe.record.types import check_loss, model_loss
 from loopprobe.report.config import ReportConfig, Skip, UserModel
 
 
@@ -57,13 +58,49 @@ def first_tensor(out: Any) -> torch.Tensor:
     raise TypeError(f"report: the model returned {type(out).__name__} with no tensor in it")
 
 
-def _mean_square(output: Callable[[Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
-    """The default loss for a user's model: ``0.5 * mean(F^2)``, F picked by ``output``."""
+# --------------------------------------------------------------------------- the loss rule
 
-    def loss(out: Any, _inputs: Any) -> torch.Tensor:
-        return 0.5 * output(out).pow(2).mean()
 
-    return loss
+class DefaultLoss:
+    """The loss when none is given (:data:`loopprobe._io.LOSS_RULE`): the model's own
+    scalar ``.loss`` if its output carries one (:func:`~loopprobe.record.types.model_loss`), else
+    ``fallback``. ``used`` names what was used (known after the first call)."""
+
+    def __init__(self, fallback: Callable[[Any, Any], Any], name: str) -> None:
+        self.fallback, self.name, self.used = fallback, name, None
+
+    def __call__(self, out: Any, inputs: Any) -> Any:
+        loss = model_loss(out)
+        if loss is not None:
+            self.used = self.used or "the model's own .loss"
+            return loss
+        self.used = self.used or self.name
+        return self.fallback(out, inputs)
+
+
+def resolve_loss(
+    loss_spec: str | None, pick: Callable[[Any], Any], targets: Any = None
+) -> tuple[Callable[[Any, Any], Any], str]:
+    """The loss of a probe and its name, by :data:`loopprobe._io.LOSS_RULE` (every CLI
+    command and the report): ``--loss`` (imported and
+    checked to take ``(output, inputs)``), else a :class:`DefaultLoss` whose fallback is
+    cross-entropy of ``pick(out)`` against ``targets`` when given, else ``0.5 mean(F^2)``."""
+    if loss_spec is not None:
+        return check_loss(load_object(loss_spec, "--loss"), f"--loss {loss_spec}"), loss_spec
+    if targets is not None:
+
+        def cross_entropy(out: Any, _inputs: Any) -> Any:
+            logits = pick(out)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+        fallback, name = cross_entropy, "cross-entropy on random tokens"
+    else:
+
+        def half_mean_square(out: Any, _inputs: Any) -> Any:
+            return 0.5 * pick(out).pow(2).mean()
+
+        fallback, name = half_mean_square, "0.5 * mean(F^2) (pass --loss to use yours)"
+    return DefaultLoss(fallback, name), name
 
 
 def _cfg_attr(model: nn.Module, *names: str) -> dict[str, Any] | None:
@@ -124,18 +161,31 @@ def load_user_model(
     loss_spec: str | None = None,
     seed: int = 0,
     output_spec: str | None = None,
+    *,
+    forward_spec: str | None = None,
+    step_spec: str | None = None,
+    increment: Any = None,
+    sublayers: list[str] | None = None,
+    exclude: list[str] | None = None,
+    alpha: float | None = None,
+    beta: float | None = None,
 ) -> UserModel:
     """Import and build a user's model, inputs and loss; one-line errors for bad specs.
 
-    ``model_spec`` names a factory ``pkg.mod:fn`` returning an ``nn.Module``;
-    ``inputs_spec`` a function ``fn(model)`` or ``fn()`` returning what the model is called
-    with (a tensor or a tuple of positional arguments; default: random token ids when the
-    model has ``cfg.vocab_size`` and ``cfg.seq_len``); ``loss_spec`` a function
-    ``loss(output, inputs) -> scalar`` (default: half the mean square of the output F);
+    ``model_spec`` names a factory ``pkg.mod:fn`` (or ``path/to/file.py:fn``) returning an
+    ``nn.Module``; ``inputs_spec`` a function ``fn(model)`` or ``fn()`` returning what the
+    model is called with (default: random token ids when the model has ``cfg.vocab_size``
+    and ``cfg.seq_len``); ``loss_spec`` a function ``loss(output, inputs) -> scalar``
+    (default: :data:`loopprobe._io.LOSS_RULE`, the rule of every CLI command);
     ``output_spec`` a function ``output(out) -> Tensor`` picking F from what the model
-    returns (default: the tensor, ``.logits``, ``["logits"]`` or the first tensor).
+    returns (default: the tensor, ``.logits``, ``["logits"]`` or the first tensor);
+    ``forward_spec`` ``fn(model, inputs) -> output``; ``step_spec`` the round map
+    ``fn(model, inputs) -> lp.RoundMap`` (as ``lp.round_map``); ``increment`` what
+    ``lp.increments(increment=)`` takes; ``sublayers``/``exclude`` what ``lp.attach`` takes;
+    ``alpha``/``beta`` the bound check's scales (default ``model.cfg``).
     """
     model = load_model(model_spec)
+    targets = None
     if inputs_spec is not None:
         fn = load_object(inputs_spec, "--inputs")
         try:
@@ -152,12 +202,14 @@ def load_user_model(
                 "so its inputs cannot be guessed; pass --inputs package.module:fn"
             )
         gen = torch.Generator().manual_seed(10_000 + seed)
-        inputs = tasks.random_tokens(2, c["seq_len"], c["vocab_size"], gen)[0]
+        inputs, targets = tasks.random_tokens(2, c["seq_len"], c["vocab_size"], gen)
     if isinstance(inputs, list):
         inputs = tuple(inputs)
     output = load_object(output_spec, "--output") if output_spec is not None else first_tensor
-    if loss_spec is not None:
-        loss_fn, loss_name = load_object(loss_spec, "--loss"), f"--loss {loss_spec}"
-    else:
-        loss_fn, loss_name = _mean_square(output), "½·mean(F²) of the output (pass --loss)"
-    return UserModel(model_spec, model, inputs, loss_fn, loss_name, inputs_spec, loss_spec, output)
+    loss_fn, loss_name = resolve_loss(loss_spec, output, targets)
+    user = UserModel(model_spec, model, inputs, loss_fn, loss_name, inputs_spec, loss_spec, output)
+    user.forward = load_object(forward_spec, "--forward") if forward_spec else None
+    user.step = load_object(step_spec, "--step") if step_spec else None
+    user.increment, user.sublayers, user.exclude = increment, sublayers, exclude
+    user.alpha, user.beta = alpha, beta
+    return user

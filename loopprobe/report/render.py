@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import pathlib
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -113,9 +115,34 @@ def render_html(results: dict, outdir: pathlib.Path) -> str:
         if entry["status"] == "ok"
         for t in entry["tables"]
     }
+    shown = relative_paths(results, outdir)
     return _template().render(
-        r=results, by_status=by_status, tables=tables, verdict_class=_VERDICT_CLASS
+        r=shown, by_status=by_status, tables=tables, verdict_class=_VERDICT_CLASS
     )
+
+
+#: an absolute path in a message (not preceded by a word character, so ``1/N`` is no path)
+_ABSOLUTE = re.compile(r"(?<![\w.:/])/[\w.\-]+(?:/[\w.\-]+)*")
+
+
+def relative_paths(obj: Any, outdir: pathlib.Path, key: str = "") -> Any:
+    """``obj`` with every absolute path of an existing file or directory in its strings
+    (notes, reasons, captions) rewritten relative to the report directory ``outdir``, so
+    the page shows no local path and its links work wherever it is moved with its data.
+    Command lines (``command``, ``recompute``, ``replot``) are kept as typed."""
+    if isinstance(obj, dict):
+        return {k: relative_paths(v, outdir, k) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [relative_paths(v, outdir) for v in obj]
+    if not isinstance(obj, str) or key in ("command", "recompute", "replot"):
+        return obj
+    base = outdir.resolve()
+
+    def rel(m: re.Match) -> str:
+        path = m.group(0)
+        return os.path.relpath(path, base) if os.path.exists(path) else path
+
+    return _ABSOLUTE.sub(rel, obj)
 
 
 def main_command(argv: Sequence[str] | None = None) -> str:

@@ -144,13 +144,7 @@ def _alignment_cell(c: dict) -> list[dict]:
     bound["U_converged"] = float(rep.visits["converged"].astype(float).mean())
     rows = [{"table": "bound", **bound}]
     rows += [{"table": "visit", **r} for r in rep.visits.to_dict("records")]
-    for name, cos in rep.cos_G.items():
-        m = cos.detach().cpu().numpy()
-        rows += [
-            {"table": "cosine", "sublayer": name, "r": r, "s": s, "cosine": float(m[r, s])}
-            for r in range(m.shape[0])
-            for s in range(m.shape[1])
-        ]
+    rows += [{"table": "cosine", **r} for r in cosine_rows(rep.cos_G)]
     bad = [k for k in ("kappa", "dF_true", "dF_first") if not math.isfinite(bound[k])]
     for row in rows:
         row["diverged"] = bool(bad)
@@ -280,48 +274,74 @@ def alignment_section(ctx: Context) -> Result:
     return res
 
 
-def _alignment_user(ctx: Context) -> Result:
-    from loopprobe.estimate.alignment import visit_alignment
-    from loopprobe.estimate.bound import bound_check
-
-    u = ctx.user
-    notes = [f"loss: {u.loss_name}"]
-    with loopprobe.attach(u.model) as probe:
-        with refusal_is_skip():
-            rep = visit_alignment(
-                probe,
-                u.inputs,
-                u.loss_fn,
-                forward=u.forward,
-                output=u.output,
-                max_iter=ctx.cfg.power_iters,
-                tol=1e-4,
-            )
-        values: dict[str, Any] = {"kappa": rep.kappa, "M": rep.M, "M_g": rep.M_g}
-        try:
-            with refusal_is_skip():
-                chk = bound_check(
-                    probe,
-                    u.inputs,
-                    u.loss_fn,
-                    forward=u.forward,
-                    output=u.output,
-                    alpha=u.alpha,
-                    beta=u.beta,
-                    report=rep,
-                )
-            values.update(chk.to_dict())
-        except Skip as why:
-            notes.append(f"bound check skipped: {why} (loopprobe report: --alpha and --beta)")
-    cos = pd.DataFrame(
-        [
+def cosine_rows(cos_G: dict[str, torch.Tensor]) -> list[dict]:
+    """The visit-cosine matrices of an alignment report as long rows (sublayer, r, s)."""
+    rows = []
+    for name, cos in cos_G.items():
+        m = cos.detach().cpu().numpy()
+        rows += [
             {"sublayer": name, "r": r, "s": s, "cosine": float(m[r, s])}
-            for name, c in rep.cos_G.items()
-            for m in [c.detach().cpu().numpy()]
             for r in range(m.shape[0])
             for s in range(m.shape[1])
         ]
-    )
+    return rows
+
+
+def run_alignment(
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    forward: Callable | None = None,
+    output: Callable | None = None,
+    sublayers: list[str] | None = None,
+    exclude: list[str] | None = None,
+    update: str = "sgd",
+    max_iter: int = 100,
+    tol: float | None = None,
+    seed: int = 0,
+    bound: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """κ_R of a model, as ``loopprobe kappa`` and the report's alignment section run it.
+
+    ``lp.visit_alignment`` on ``lp.attach(model, sublayers, exclude=exclude)``; with
+    ``bound`` (``bound_check``'s keywords, e.g. ``alpha``, ``beta``) also ``lp.bound_check``
+    on the same probe and report. Returns ``(report, check)``; ``check`` is ``None``
+    without ``bound`` and the :class:`Skip` saying why when loopprobe refuses the check.
+    """
+    from loopprobe.estimate.alignment import visit_alignment
+    from loopprobe.estimate.bound import bound_check
+
+    how = dict(forward=forward, output=output)
+    with loopprobe.attach(model, sublayers, exclude=exclude) as probe:
+        rep = visit_alignment(
+            probe, inputs, loss_fn, **how, update=update, max_iter=max_iter, tol=tol,
+            generator=torch.Generator().manual_seed(seed), seed=seed,
+        )  # fmt: skip
+        if bound is None:
+            return rep, None
+        try:
+            with refusal_is_skip():
+                return rep, bound_check(probe, inputs, loss_fn, **how, **bound, report=rep)
+        except Skip as why:
+            return rep, why
+
+
+def _alignment_user(ctx: Context) -> Result:
+    u = ctx.user
+    with refusal_is_skip():
+        rep, chk = run_alignment(
+            u.model, u.inputs, u.loss_fn, forward=u.forward, output=u.output,
+            sublayers=u.sublayers, exclude=u.exclude, max_iter=ctx.cfg.power_iters, tol=1e-4,
+            seed=ctx.cfg.seed, bound=dict(alpha=u.alpha, beta=u.beta),
+        )  # fmt: skip
+    values: dict[str, Any] = {"kappa": rep.kappa, "M": rep.M, "M_g": rep.M_g}
+    notes = [f"loss: {getattr(u.loss_fn, 'used', None) or u.loss_name}"]  # the rule's pick
+    if isinstance(chk, Skip):
+        notes.append(f"bound check skipped: {chk} (loopprobe report: --alpha and --beta)")
+    else:
+        values.update(chk.to_dict())
+    cos = pd.DataFrame(cosine_rows(rep.cos_G))
     figs = [Fig("alignment_visit_norms", "Per-visit ‖U_r,j‖ and ‖G_r,j‖.", "visits", "visit_norms")]
     if len(cos):
         figs.append(Fig("alignment_cosines", "Visit cosines of G_·,j.", "cosines", "visit_cosines"))
