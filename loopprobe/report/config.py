@@ -76,7 +76,7 @@ class UserModel:
     forward: Callable[[nn.Module, Any], Any] | None = None  # --forward: fn(model, inputs)
     alpha: float | None = None  # --alpha/--beta: the bound check's scales (default cfg)
     beta: float | None = None
-    step: Callable[..., Any] | None = None  # --step: fn(model, inputs) -> lp.RoundMap (as lp.round_map)
+    step: Callable[..., Any] | None = None  # --step: fn(model, inputs) -> lp.RoundMap
     increment: Any = None  # --increment: what lp.increments(increment=...) takes
     sublayers: list[str] | None = None  # --sublayers: names passed to lp.attach(sublayers=)
     exclude: list[str] | None = None  # --exclude: patterns passed to lp.attach(exclude=)
