@@ -14,6 +14,8 @@ the runs that reached a fixed point, rho and ||dh*/dx|| there, accuracy at R, 2R
 claims A and B, and Fisher tests of outer norm and of recall on the reached counts. Writes
 docs/data/lr_transfer_drift{,2}.csv, docs/data/reachability_summary.csv and the figures
 docs/figures/lr_transfer_study{,2}.png, docs/figures/reachability_study.png; prints markdown.
+The 64-input study (issue 30.3, docs/studies/reachability.md): docs/data/reach_runs.csv ->
+docs/data/reach_summary.csv, its pre-stated claims, docs/figures/reach_study.png.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from loopprobe.experiments.reproductions import (
     reach_claims,
     reach_outer_norm_effect,
     reach_summary,
+    study_claims,
+    study_summary,
 )
 
 
@@ -107,11 +111,66 @@ def reach_figure(df: pd.DataFrame, path: str) -> None:
     fig.savefig(path, dpi=80)
 
 
+def reach_study_figure(runs: pd.DataFrame, claims: pd.DataFrame, path: str) -> None:
+    """The 64-input study: reach fraction per run, distinct / reached fixed points per run
+    and rho at reached fixed points, per recall x outer norm (both tasks; x: prefix sums,
+    o: Latin square)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [(r, o) for o in (False, True) for r in ("none", "add", "internal")]
+    cols = (("reach_frac", "reach fraction (64 inputs)"),
+            ("distinct_frac", "distinct / reached fixed points"),
+            ("rho_max", "max rho at reached points"))  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    rng = np.random.default_rng(0)
+    for ax, (col, label) in zip(axes, cols, strict=True):
+        for i, (r, o) in enumerate(arms):
+            for task, mark in (("prefix_sums", "x"), ("sudoku_like", "o")):
+                v = runs.loc[(runs["recall"] == r) & (runs["outer_norm"] == o)
+                             & (runs["task"] == task), col]  # fmt: skip
+                ax.scatter(i + rng.uniform(-0.15, 0.15, len(v)), v, marker=mark, s=18,
+                           color="C1" if o else "C0")  # fmt: skip
+        ax.set_xticks(range(len(arms)), [f"{r}{' +norm' if o else ''}" for r, o in arms],
+                      rotation=30, fontsize=8)  # fmt: skip
+        ax.set_ylabel(label)
+    axes[0].set_title("x: prefix sums, o: Latin square; dashed: pre-stated thresholds", fontsize=8)
+    axes[0].axhline(0.8, color="k", lw=0.5, ls="--")
+    axes[1].axhline(0.5, color="k", lw=0.5, ls="--")
+    axes[2].axhline(1.0, color="k", lw=0.5)
+    a = claims.set_index("claim")["verdict"]
+    fig.suptitle("; ".join(f"{k.split(':')[0] if ':' in k else k[:24]}: {v.split(' (')[0]}"
+                           for k, v in a.items()), fontsize=7)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def reach_study(data: str, figdir: str) -> None:
+    """The 64-input reachability study (issue 30.3): summary CSV, claims, figure."""
+    try:
+        runs = pd.read_csv(f"{data}/reach_runs.csv")
+    except FileNotFoundError:
+        return
+    s = study_summary(runs)
+    s.to_csv(f"{data}/reach_summary.csv", index=False, float_format="%.4g")
+    cpu = (runs["cpu_train_s"].sum() + runs["cpu_probe_s"].sum()) / 60
+    print(f"## Reachability on 64 inputs per run ({len(runs)} runs, {cpu:.1f} CPU-min)")
+    print(md(s))
+    claims = study_claims(runs)
+    print(md(claims[["claim", "runs", "estimate", "ci_low", "ci_high", "verdict"]]))
+    for r in claims.to_dict("records"):
+        print(f"- {r['claim']}: {r['measured']} -> {r['verdict']}")
+    reach_study_figure(runs, claims, f"{figdir}/reach_study.png")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="docs/data")
     ap.add_argument("--figdir", default="docs/figures")
     a = ap.parse_args()
+    reach_study(a.data, a.figdir)
     for run, spec in LR_RUNS.items():
         try:
             lr = pd.read_csv(f"{a.data}/{spec['cells']}")
