@@ -90,6 +90,8 @@ _NAMES = {
     # estimate: training health, fits
     "instability": "loopprobe.estimate.instability",
     "Instability": "loopprobe.estimate.instability",
+    "health": "loopprobe.estimate.health",
+    "Health": "loopprobe.estimate.health",
     "fit_recurrence_law": "loopprobe.estimate.scaling",
     "redundancy": "loopprobe.estimate.redundancy",
     "Redundancy": "loopprobe.estimate.redundancy",

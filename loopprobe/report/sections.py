@@ -6,10 +6,18 @@ from loopprobe.report.config import Section
 from loopprobe.report.sections_alignment import alignment_section, theory_section, visits_section
 from loopprobe.report.sections_fixedpoint import fixedpoint_section
 from loopprobe.report.sections_growth import coordcheck_section, increments_section
+from loopprobe.report.sections_health import health_section
 from loopprobe.report.sections_redundancy import redundancy_section
 from loopprobe.report.sections_repro import reproductions_section
 
 SECTIONS: list[Section] = [
+    Section(
+        "health",
+        "Health check of your model",
+        "Is the residual scaling / normalization right for this loop count, and where will "
+        "training break (alignment, bound, increments, fixed point, gradients)?",
+        health_section,
+    ),
     Section(
         "theory",
         "Theory: scales and predicted bounds",

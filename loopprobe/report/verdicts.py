@@ -39,10 +39,13 @@ class Verdict:
     measured: str
     expected: str
     why: str = ""
+    kind: str = ""  # "measurement" or "inference" where a section says (the health check)
 
     def line(self) -> str:
         why = f"; {self.why}" if self.why else ""
-        return f"[{self.verdict}] {self.claim}: {self.measured} (expected {self.expected}{why})"
+        kind = f" ({self.kind})" if self.kind else ""
+        claim = f"{self.claim}{kind}"
+        return f"[{self.verdict}] {claim}: {self.measured} (expected {self.expected}{why})"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
