@@ -13,6 +13,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
+#: ``stop(idx, sigma, residual) -> bool`` for the operators ``idx`` still running: a
+#: caller's stopping rule (e.g. the error bound of a quantity computed from several norms).
+StopRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: Roundoff allowance of a norm estimate, in units of its dtype's eps (relative): the
+#: products, the Rayleigh quotient and the tridiagonal eigensolve each round.
+ROUNDOFF_EPS = 100
+#: A residual above this bounds nothing (:func:`norm_bounds`): early Ritz values sit near
+#: an eigenvalue below the top (tests/test_kappa_err.py: after 2 Lanczos steps, residual
+#: 0.4, the estimate was 2.32, the certificate's upper end 2.74, the top 3.54).
+TRUST_RESIDUAL = 1e-2
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,26 @@ class Estimate:
         return asdict(self)
 
 
+def norm_bounds(value: float, residual: float, eps: float) -> tuple[float, float]:
+    """An interval ``[lo, hi]`` holding ``||A||`` from an estimate ``s`` and its certificate.
+
+    Power and Lanczos estimates are Rayleigh quotients, so ``s^2 <= lambda_max(A^T A)``;
+    the residual certificate puts an eigenvalue within ``residual * s^2`` of ``s^2``, and
+    when it is the top one (the caveat of every Krylov method: a start vector orthogonal
+    to the top singular vector finds another) ``||A|| <= s * sqrt(1 + residual)``. Both ends
+    are widened by ``ROUNDOFF_EPS * eps`` (``eps`` of the lowest precision computed in)
+    for roundoff. An unknown estimate (NaN value or residual) gives ``[0, inf]``; one whose
+    residual is above ``TRUST_RESIDUAL`` gives ``[lo, inf]``: its eigenvalue need not be the
+    top one (the early iterations of a Krylov method resolve lower ones first).
+    """
+    rho = ROUNDOFF_EPS * eps
+    if not (value == value and residual == residual):  # NaN: not estimated (yet)
+        return 0.0, float("inf")
+    if residual > TRUST_RESIDUAL:
+        return value * (1 - rho), float("inf")
+    return value * (1 - rho), value * (1 + max(residual, 0.0)) ** 0.5 * (1 + rho)
+
+
 def residual_tol(dtype: torch.dtype) -> float:
     """The default bound on the relative Ritz residual: 1e-6 in float64, 1e-5 in float32,
     1e-3 in half precision (whose estimates callers do not certify)."""
@@ -55,6 +85,7 @@ def operator_norm(
     rtol: float | None = None,
     out: torch.Tensor | None = None,
     subset: bool = False,
+    stop: StopRule | None = None,
 ) -> list[Estimate]:
     """Spectral norm ``||A||`` of a batch of operators by power iteration on ``A^T A``.
 
@@ -76,7 +107,8 @@ def operator_norm(
     there come back with ``converged=False``. ``out`` (shape of ``v0``), if given,
     receives the last unit vector of each operator (its top right singular vector
     estimate; a warm start for a later call). ``subset=True``: converged operators drop
-    out of the batch (see :func:`operator_norm_krylov`).
+    out of the batch (see :func:`operator_norm_krylov`). ``stop``: a caller's rule in place
+    of ``tol``/``rtol`` (see :func:`operator_norm_krylov`).
 
     Example: ``operator_norm(lambda v: v @ A.T, lambda u: u @ A, torch.randn(1, n))``.
     """
@@ -109,7 +141,10 @@ def operator_norm(
         theta = new_sigma.square()
         r = (w - theta[:, None] * v[act]).flatten(1).norm(dim=1) / theta.clamp_min(tiny)
         res[act] = r
-        newly = ((step_rel < tol) & (r <= rtol)).cpu()
+        if stop is None:
+            newly = ((step_rel < tol) & (r <= rtol)).cpu()
+        else:
+            newly = _as_mask(stop(act, new_sigma.detach().double().cpu(), r.double().cpu()))
         iters[act[newly]] = it
         done[act[newly]] = True
         if bool(done.all()):
@@ -137,6 +172,7 @@ def operator_norm_krylov(
     out: torch.Tensor | None = None,
     subset: bool = False,
     basis: int | None = None,
+    stop: StopRule | None = None,
 ) -> list[Estimate]:
     """Spectral norm of a batch of operators by Lanczos on ``A^T A`` (batched, matrix-free).
 
@@ -164,7 +200,10 @@ def operator_norm_krylov(
     when the basis is full and an operator has not converged, it restarts from its top
     Ritz vector with an empty basis (explicit restart; the total number of products is
     still ``max_iter``). Each cycle's residual is that of its own Krylov space, so the
-    certificate is the same.
+    certificate is the same. ``stop``: a caller's stopping rule in place of ``tol``,
+    called after every step with the operators still running (``idx``, positions in the
+    batch), their estimates and relative residuals; the operators it returns True for stop
+    and count as converged (an exhausted Krylov space, an exact answer, stops too).
     """
     if v0.dim() != 2:
         raise ValueError(
@@ -208,6 +247,7 @@ def operator_norm_krylov(
         alphas[act, m - 1] = a.detach().double().cpu()
         betas[act, m - 1] = b.detach().double().cpu()
         newly = torch.zeros(B, dtype=torch.bool)
+        exact = torch.zeros(B, dtype=torch.bool)
         for k in act.tolist():
             theta, err, ritz[k] = _ritz(alphas[k, :m], betas[k, :m], tiny)
             new = theta**0.5
@@ -215,6 +255,9 @@ def operator_norm_krylov(
             sigma[k], res[k] = new, err
             exhausted = float(betas[k, m - 1]) <= 1e-12 * max(theta, tiny)
             newly[k] = err < tol or exhausted
+            exact[k] = exhausted
+        if stop is not None:
+            newly[act] = exact[act] | _as_mask(stop(act, sigma[act], res[act]))
         iters[newly] = it
         done |= newly
         last = bool(done.all()) or it == max_iter
@@ -241,6 +284,10 @@ def operator_norm_krylov(
         )
         for k in range(B)
     ]
+
+
+def _as_mask(m: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(m, dtype=torch.bool).cpu().reshape(-1)
 
 
 def _combine(y: torch.Tensor, Q: list[torch.Tensor], k: int, like: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ SDPA loop, so differences up to ``sqrt(eps)`` of the lowest precision on the pat
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,27 @@ class VisitJacobian:
         self.refusal: str | None = None  # what torch.func refused, and where
         self._refused_fn: str | None = None
         self.problems: list[str] = []
+
+    def restricted(self, ks: Sequence[int]) -> VisitJacobian:
+        """The same F with offsets at the selected visits ``ks`` only (the others compute
+        with the plain parameters), sharing discovery, seed and checks: its JVP carries
+        tangents from the first of them on and its VJP graph reaches back to it only, with
+        weight gradients for them alone, so an operator over some visits costs their part of
+        the loop rather than all of it (issue 29.2). Masks index ``ks`` in order. ``self``
+        where the products do not come from ``torch.func`` (plain autograd, functionalized
+        buffer writes): those keep their one graph."""
+        self.vjp_fn()
+        if self.products is not None or self.buffer_writes is not None or self.jvp.reverse:
+            return self
+        sub = copy.copy(self)
+        sub.visits = [self.visits[k] for k in ks]
+        sub.pos = {v.i: k for k, v in enumerate(sub.visits)}
+        sub.n = [self.n[k] for k in ks]
+        sub.primals = tuple(self.primals[k] for k in ks)
+        sub.shapes = [self.shapes[k] for k in ks]
+        sub._vjp_fn, sub.F0 = None, None
+        sub._vjp_by_transforms()
+        return sub
 
     # -- the function --------------------------------------------------------------
     def f(self, *deltas: tuple[torch.Tensor, ...]) -> torch.Tensor:

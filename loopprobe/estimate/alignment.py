@@ -27,6 +27,7 @@ import torch
 from loopprobe._stats import cosine_matrix
 from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.estimate.updates import OUTSIDE_EPS, Updates, per_visit_updates
+from loopprobe.linalg import ROUNDOFF_EPS, norm_bounds
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, LossFn, Output, default_loss
 
@@ -48,6 +49,97 @@ def visit_kappa(
     return float(U_tied * G_tied / denom) if denom > 0 else float("nan")
 
 
+def default_kappa_tol(dtype: torch.dtype) -> float:
+    """The default bound on kappa's error (absolute): 1e-6 in float64, 1e-4 in float32 (whose
+    Lanczos residuals stop near 1e-5), 1e-2 in half precision (never certified)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1e-2
+    return 1e-6 if dtype == torch.float64 else 1e-4
+
+
+def kappa_interval(
+    U_tied: tuple[float, float],
+    U_visits: Sequence[tuple[float, float]],
+    G_tied: float,
+    G_norms: Sequence[float],
+    eps: float,
+) -> tuple[float, float]:
+    """An interval holding the exact ``kappa_j``, from intervals ``(lo, hi)`` holding
+    ``||sum_r U_{r,j}||`` and each ``||U_{r,j}||`` (:func:`loopprobe.linalg.norm_bounds`).
+
+    kappa_j grows with the tied norm and falls with the largest visit norm, so the upper
+    end takes the tied norm's upper end over the largest *lower* end of the visits and the
+    lower end the reverse; G norms are exact up to roundoff (``ROUNDOFF_EPS * eps``). The
+    triangle inequality clips the interval to ``[0, R_j]``. With one visit kappa_j = 1
+    whatever its norm. Reference: seed 002, Eq. 12.
+    """
+    R = len(U_visits)
+    rho = ROUNDOFF_EPS * eps
+    if R == 1:
+        return 1 - rho, 1 + rho
+    g = G_tied / max(G_norms) if max(G_norms) > 0 else float("nan")
+    lo_max, hi_max = max(lo for lo, _ in U_visits), max(hi for _, hi in U_visits)
+    lo = U_tied[0] * g * (1 - rho) ** 2 / (R * hi_max) if hi_max > 0 else 0.0
+    hi = U_tied[1] * g * (1 + rho) ** 2 / (R * lo_max) if lo_max > 0 else float("inf")
+    return max(lo, 0.0), min(hi, R * (1 + rho))
+
+
+#: The stopping rule spends this share of ``tol``: kappa's estimate still moves while the
+#: last operators run, and the interval is recomputed at the end from the final estimates.
+STOP_SHARE = 0.5
+
+
+def kappa_stop(keys, visits, ups: Updates, tol: float, eps: float, each_visit: bool = False):
+    """The stopping rule of :func:`visit_alignment` over the operators of
+    :func:`~loopprobe.estimate.sensitivity.sensitivity_norms` (``keys``, ``visits``).
+
+    kappa_j's estimate is off from the top of its interval by ``kappa_up (1 - a_t / hi_t)``
+    (the tied norm ``a_t`` below its upper end ``hi_t``) and from the bottom by at most
+    ``kappa_up (1 - lo_max / hi_r)`` for the visit r with the largest upper end, where
+    ``kappa_up`` is the current upper end of kappa_j (or R_j) and ``lo_max`` the largest lower
+    end of the visit norms (only grows). So the tied operator stops once its term is within
+    ``STOP_SHARE * tol``, and a visit once its own is: a visit far below the largest one
+    stops as soon as its upper end is below it (it cannot be the max). Every operator runs
+    at least until its interval is finite (residual ``TRUST_RESIDUAL``, 1e-2: each norm to
+    about 0.5 %), and none beyond the roundoff floor of its residual (1e-12 in float64, 1e-5
+    otherwise). ``each_visit``: every visit norm also to relative error ``tol``.
+    """
+    tied_of = {key[1]: b for b, key in enumerate(keys) if key[0] == "tied"}
+    mine: dict[int, list[int]] = {}
+    for b, key in enumerate(keys):
+        if key[0] == "visit":
+            mine.setdefault(visits[b].j, []).append(b)
+    G = {j: (float(ups.tied(j).norm()), [float(ups.norms(j)[visits[b].r]) for b in bs])
+         for j, bs in mine.items()}  # fmt: skip
+    budget = STOP_SHARE * tol
+    # Below this residual roundoff moves nothing: stop there even if tol is out of reach
+    # (float32 at tol=1e-6 ran every operator to max_iter); the report then says so.
+    floor = 1e-12 if eps <= torch.finfo(torch.float64).eps else 1e-5
+
+    def rule(ops: torch.Tensor, sigma: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+        bounds = [norm_bounds(float(a), float(r), eps) for a, r in zip(sigma, res, strict=True)]
+        may = torch.zeros(len(sigma), dtype=torch.bool)
+        for j, bs in mine.items():
+            vis = [bounds[b] for b in bs]
+            if len(bs) == 1:  # kappa_j = 1; the norm only to a finite interval
+                may[bs[0]] = bounds[bs[0]][1] < float("inf")
+            else:
+                t = tied_of[j]
+                up = min(len(bs), kappa_interval(bounds[t], vis, *G[j], eps)[1])
+                lo_max = max(lo for lo, _ in vis)
+                a_t, hi_t = float(sigma[t]), bounds[t][1]
+                may[t] = a_t == a_t and up * (1 - a_t / hi_t) <= budget if hi_t > 0 else True
+                for b, (_, hi) in zip(bs, vis, strict=True):
+                    may[b] = lo_max > 0 and up * (1 - lo_max / hi) <= budget
+            if each_visit:
+                for b in bs:
+                    a, hi = float(sigma[b]), bounds[b][1]
+                    may[b] &= bool(a == a and hi <= a * (1 + tol))
+        return may[ops] | (res[ops] <= floor)
+
+    return rule
+
+
 @dataclass
 class AlignmentReport:
     """kappa_R, one row per physical sublayer, one row per visit, and the Gram matrices.
@@ -60,7 +152,10 @@ class AlignmentReport:
     ``converged`` is True only when every U estimate converged, every kappa_j is a
     number in ``[0, R_j]`` and ``sum_r G_{r,j}`` is the tied update of every sublayer kappa_R
     uses (:func:`per_visit_updates` checks it; column ``G_outside_share``); ``reason`` says
-    what is not (a sublayer's ``kappa_ok`` column marks its own kappa_j).
+    what is not (a sublayer's ``kappa_ok`` column marks its own kappa_j). ``kappa_err``:
+    the certified bound on kappa_R's error, ``[kappa_lo, kappa_hi]`` the interval holding
+    it (from every operator's residual certificate, :func:`kappa_interval`); ``tol`` the
+    bound asked for (above it: not converged).
     """
 
     kappa: float
@@ -81,10 +176,14 @@ class AlignmentReport:
     sensitivity: Sensitivity | None = field(default=None, repr=False)
     converged: bool = True
     reason: str = ""
+    kappa_err: float = float("nan")
+    kappa_lo: float = float("nan")
+    kappa_hi: float = float("nan")
+    tol: float = float("nan")
 
     def to_frame(self) -> pd.DataFrame:
         """One row per visit with its sublayer's kappa_j, R_j and tied norms joined on."""
-        cols = ["sublayer", "kappa", "R_g", "U_tied", "G_tied", "U_max", "G_max"]
+        cols = ["sublayer", "kappa", "kappa_err", "R_g", "U_tied", "G_tied", "U_max", "G_max"]
         return self.visits.merge(self.sublayers[cols], on="sublayer", how="left")
 
 
@@ -104,6 +203,7 @@ def visit_alignment(
     chunk_size: int | None = None,
     memory: str = "full",
     start: Any = None,
+    each_visit: bool = False,
 ) -> AlignmentReport:
     """kappa_j per sublayer and kappa_R = max_j, from G (one backward) and U (power iteration).
 
@@ -115,6 +215,18 @@ def visit_alignment(
     keeps only G norms and tied sums (no G Gram matrices in the report). ``start``: an
     earlier report (or its ``sensitivity``) to warm-start the U estimates from
     (:func:`sensitivity_norms`; a training monitor).
+
+    ``tol`` is the bound on kappa's error (absolute; default :func:`default_kappa_tol`: 1e-6
+    in float64, 1e-4 in float32): each operator runs until the interval that its Ritz
+    residual certificate puts around its norm (:func:`loopprobe.linalg.norm_bounds`),
+    propagated through the max over visits and the ratio (:func:`kappa_interval`), holds
+    every kappa_j, and so kappa_R, within ``tol`` (:func:`kappa_stop`); a visit that cannot
+    be the max stops once that is certain, so its own ``U_norm`` may be looser (columns
+    ``U_lo``/``U_hi``; ``each_visit=True`` also certifies each visit norm to relative
+    ``tol``). ``kappa_err`` (the report's, and a column per sublayer with ``kappa_lo``,
+    ``kappa_hi``) is the bound met; above ``tol`` the report is not converged. The bound
+    assumes, like every Krylov estimate, that the start vectors overlap the top singular
+    vectors. A training monitor affords ``tol=1e-2`` (3-4x fewer products).
     Reference: seed 002, Eq. 12.
     """
     loss_fn = default_loss(loss_fn, "visit_alignment")
@@ -127,6 +239,14 @@ def visit_alignment(
             "visit_alignment: no visit of any sublayer gets a gradient from the loss; "
             "check loss_fn and that the looped sublayers run with gradient enabled"
         )
+    dtype = ups.G_tied[0].dtype
+    tol = default_kappa_tol(dtype) if tol is None else float(tol)
+    if not tol > 0:
+        raise ValueError(f"visit_alignment: tol={tol}; kappa's error bound must be > 0")
+    keys = [("visit", v.i) for v in visible]
+    keys += [("tied", j) for j in sorted({v.j for v in visible})
+             if sum(v.j == j for v in visible) > 1]  # fmt: skip
+    eps = float(torch.finfo(dtype).eps)
     sens = sensitivity_norms(
         probe,
         inputs,
@@ -135,21 +255,30 @@ def visit_alignment(
         visits=visible,
         method=method,
         max_iter=max_iter,
-        tol=tol,
         generator=generator,
         seed=seed,
         chunk_size=chunk_size,
         start=start,
+        stop=kappa_stop(keys, visible, ups, tol, eps, each_visit),
     )
+    if sens.keys and sens.keys != keys:
+        raise RuntimeError(f"visit_alignment: operator order {sens.keys} is not {keys}")
     subs = probe.sublayers()
-    rep = _report(ups, sens, {s.name: s.role for s in subs})
+    rep = _report(ups, sens, {s.name: s.role for s in subs}, tol)
     notes = [f"{s.name}: {s.note}" for s in subs if s.note and s.role == "body"]
     rep.kappa_note = "; ".join([rep.kappa_note, *notes] if rep.kappa_note else notes)
     return rep
 
 
-def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> AlignmentReport:
+def _report(
+    ups: Updates, sens: Sensitivity, roles: dict | None = None, tol: float = float("inf")
+) -> AlignmentReport:
     U_of = {v.i: est for v, est in zip(sens.visits, sens.visit_norms, strict=True)}
+    eps = sens.eps
+
+    def bounds(est: Any) -> tuple[float, float]:
+        return norm_bounds(est.value, est.residual, eps) if est else (float("nan"),) * 2
+
     vrows, srows = [], []
     gram_G, cos_G, gram_UTw, cos_UTw = {}, {}, {}, {}
     for v in ups.visits:
@@ -164,6 +293,8 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
                 "grad_enabled": v.grad_enabled,
                 "grad_visible": bool(ups.visible[v.j][v.r]),
                 "U_norm": est.value if est else float("nan"),
+                "U_lo": bounds(est)[0],
+                "U_hi": bounds(est)[1],
                 "G_norm": float(ups.norms(v.j)[v.r]),
                 "converged": est.converged if est else None,
                 "iterations": est.iterations if est else 0,
@@ -181,15 +312,20 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
             tied_U = sens.tied_norms[j]
             G_tied = float(ups.tied(j).norm())  # invisible visits contribute zero
             kappa = visit_kappa(tied_U.value, G_tied, list(mine.U_norm), list(mine.G_norm))
+            U_b = list(zip(mine.U_lo, mine.U_hi, strict=True))
+            k_lo, k_hi = kappa_interval(bounds(tied_U), U_b, G_tied, list(mine.G_norm), eps)
             if ups.G is not None:
                 gram = ups.gram(j)
                 gram_G[name], cos_G[name] = gram, cosine_matrix(gram)
             if j in sens.UTw:
                 g2 = sens.UTw[j] @ sens.UTw[j].T
                 gram_UTw[name], cos_UTw[name] = g2, cosine_matrix(g2)
-            kappas.append((role, kappa))
+            kappas.append((role, kappa, k_lo, k_hi))
             row.update(
                 kappa=kappa,
+                kappa_lo=k_lo,
+                kappa_hi=k_hi,
+                kappa_err=max(k_hi - kappa, kappa - k_lo),
                 U_tied=tied_U.value,
                 G_tied=G_tied,
                 U_max=float(mine.U_norm.max()),
@@ -202,15 +338,21 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
                 cos_G_adjacent=_adjacent(cos_G[name]) if name in cos_G else float("nan"),
             )
         else:
-            row.update(kappa=float("nan"), U_tied=float("nan"), G_tied=float("nan"))
+            nan = float("nan")
+            row.update(kappa=nan, kappa_err=nan, U_tied=nan, G_tied=nan)
         srows.append(row)
     # kappa_R: max over the loop body only; reuse that is not recurrence is listed, not used.
-    finite = [k for r, k in kappas if not math.isnan(k) and r == "body"]
+    finite = [k for k in kappas if not math.isnan(k[1]) and k[0] == "body"]
     out = [n for n in ups.sublayers if (roles or {}).get(n, "body") != "body"]
     note = f"kappa_R is over role='body' sublayers; excluded: {out}" if out else ""
     if not finite and out:
-        finite = [k for _, k in kappas if not math.isnan(k)]
+        finite = [k for k in kappas if not math.isnan(k[1])]
         note = f"no body sublayer: kappa_R is over every sublayer, including {out}"
+    # kappa_R = max_j kappa_j lies between the largest lower and the largest upper end.
+    kappa_R = max(k[1] for k in finite) if finite else float("nan")
+    k_lo = max((k[2] for k in finite), default=float("nan"))
+    k_hi = max((k[3] for k in finite), default=float("nan"))
+    kappa_err = max(k_hi - kappa_R, kappa_R - k_lo) if finite else float("nan")
     sub = pd.DataFrame(srows)
     M_g = int(visits.grad_visible.sum())
     in_R = sub.role.eq("body") if sub.role.eq("body").any() else sub.role.notna()
@@ -219,10 +361,12 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
     counted = sub.kappa.notna() & (sub.R_g > 0) & in_R
     weighted = (sub.R_g * sub.kappa)[counted].sum()
     reasons = [sens.reason] if not sens.converged else []
+    if finite and not kappa_err <= tol:
+        reasons.append(f"kappa's error bound {kappa_err:.3g} exceeds tol={tol:g}")
     bad_G = _updates_problem(ups, in_R)
     notes = [ups.reason] if ups.reason and not bad_G else []  # checks that could not run
     return AlignmentReport(
-        kappa=max(finite) if finite else float("nan"),
+        kappa=kappa_R,
         sublayers=sub,
         visits=visits,
         gram_G=gram_G,
@@ -240,6 +384,10 @@ def _report(ups: Updates, sens: Sensitivity, roles: dict | None = None) -> Align
         sensitivity=sens,
         converged=not (reasons or problems or bad_G),
         reason="; ".join(reasons + bad_G + problems + notes),
+        kappa_err=kappa_err,
+        kappa_lo=k_lo,
+        kappa_hi=k_hi,
+        tol=tol,
     )
 
 

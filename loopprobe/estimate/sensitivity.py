@@ -35,7 +35,7 @@ import torch
 from loopprobe._memory import auto_chunk_size
 from loopprobe.autodiff import is_half, lowest_precision
 from loopprobe.differentiate.jacobian import VisitJacobian
-from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov
+from loopprobe.linalg import Estimate, StopRule, operator_norm, operator_norm_krylov
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Output, Visit
 
@@ -50,7 +50,9 @@ class Sensitivity:
     ``problems``: invariants of the evaluation of F that failed (from
     :class:`~loopprobe.differentiate.jacobian.VisitJacobian`, e.g. F at zero offsets is not
     the model's output); any makes the result not converged. ``basis``: the vectors one
-    Lanczos operator held (below ``max_iter``: restarted, :func:`lanczos_basis`).
+    Lanczos operator held (below ``max_iter``: restarted, :func:`lanczos_basis`). ``eps``:
+    machine epsilon of the lowest precision the forward computes in (the roundoff allowance
+    of :func:`~loopprobe.linalg.norm_bounds`).
     """
 
     visits: list[Visit]
@@ -66,6 +68,7 @@ class Sensitivity:
     keys: list[tuple[str, int]] = field(default_factory=list, repr=False)
     problems: list[str] = field(default_factory=list)
     basis: int = 0
+    eps: float = float(torch.finfo(torch.float64).eps)
 
     def start_vectors(self) -> dict[tuple[str, int], torch.Tensor]:
         """Each operator's top right singular vector estimate, keyed ``("visit", i)`` or
@@ -146,6 +149,8 @@ def sensitivity_norms(
     chunk_size: int | None = None,
     start: Any = None,
     warm_visits: bool | None = None,
+    stop: StopRule | None = None,
+    narrow: bool = True,
 ) -> Sensitivity:
     """``||U_{r,j}||`` for every included visit and ``||sum_r U_{r,j}||`` for every sublayer.
 
@@ -185,6 +190,16 @@ def sensitivity_norms(
     default tolerance, 41-49% fewer at ``tol=1e-4``; the second phase adds sequential
     iterations: CPU time +83% at d_model 16 (n 2048), +15% at 32 (n 8192), -13% at 64
     (n 32768), hence the default.
+    ``stop`` (replaces ``tol``): a rule over all operators at once, for a quantity computed
+    from several norms (:func:`~loopprobe.estimate.alignment.visit_alignment` stops each
+    operator once kappa's error bound is met): ``stop(ops, sigma, residual)`` gets the
+    operator numbers still running (a ``LongTensor``, positions in ``Sensitivity.keys``) and
+    the latest estimate and relative residual of *every* operator (NaN: not run yet) and
+    returns True for those that may stop; they come back ``converged``.
+    ``narrow`` (default): the visit operators run in groups by visit number r, each with
+    offsets at the visits ``(r, .)`` only (:meth:`VisitJacobian.restricted`: one more
+    forward per group, and its JVPs and VJPs do only the work from visit r on); ``False``:
+    every product carries every visit (the same numbers, more work).
     Reference: seed 002, Eq. 12 (``||U_{r,j}|| <= C_U beta/alpha``).
     """
     call = "sensitivity_norms"
@@ -211,17 +226,22 @@ def sensitivity_norms(
     group = len(ops)
     if method == "lanczos":
         group = lanczos_group(len(ops), jac.n_max, max_iter, jac.dtype)
+    state = torch.full((2, len(ops)), float("nan"), dtype=torch.float64)  # sigma, residual
     estimate = partial(
-        _estimate, jac, method=method, max_iter=max_iter, tol=tol, chunk_size=chunk_size,
-        call=call, ranks=ranks, basis=basis,
+        _estimate, method=method, max_iter=max_iter, tol=tol, chunk_size=chunk_size,
+        call=call, ranks=ranks, basis=basis, stop=stop, state=state,
     )  # fmt: skip
 
     def run(rows: list[int]) -> list[Estimate]:  # in groups whose Krylov bases fit
-        out: list[Estimate] = []
-        for at in range(0, len(rows), group):
-            g = rows[at : at + group]
-            out += estimate(masks[g], v0[g], vectors, g)
-        return out
+        out: dict[int, Estimate] = {}
+        for ks, part in _product_groups(visits, ops, rows, narrow):
+            sub = jac if len(ks) == len(visits) else jac.restricted(ks)
+            sub_masks = masks[:, ks]
+            for at in range(0, len(part), group):
+                g = part[at : at + group]
+                out.update(zip(g, estimate(sub, sub_masks[g], v0[g], vectors, g), strict=True))
+            del sub  # its VJP graph
+        return [out[b] for b in rows]
 
     ests = dict(zip(first, run(list(first)), strict=True))
     rest = [b for b in range(len(ops)) if b not in ests]
@@ -253,7 +273,7 @@ def sensitivity_norms(
     problems = list(getattr(jac, "problems", []))  # invariants of F that failed
     return Sensitivity(
         visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys,
-        problems, basis,
+        problems, basis, float(torch.finfo(lowest_precision(jac.dtypes)).eps),
     )  # fmt: skip
 
 
@@ -477,8 +497,39 @@ def _warm_vectors(start, keys, n_max, call) -> dict:
     return old
 
 
+def _product_groups(visits, ops, rows, narrow: bool) -> list[tuple[list[int], list[int]]]:
+    """The operators ``rows`` by the visits their products need: ``(ks, operators)``, where
+    ``ks`` are the visits that carry offsets. Tied operators need every visit; with
+    ``narrow`` the operators of the r-th visits of all sublayers share the visits ``(r, .)``
+    alone (their JVPs start at visit r, their VJPs end there), else every visit."""
+    every = list(range(len(visits)))
+    by: dict[Any, list[int]] = {}
+    for b in rows:
+        key = visits[ops[b][0]].r if narrow and len(ops[b]) == 1 else "all"
+        by.setdefault(key, []).append(b)
+    out = []
+    for key, part in by.items():
+        ks = every if key == "all" else sorted(ops[b][0] for b in part)
+        out.append((ks, part))
+    return out
+
+
 def _estimate(
-    jac, masks, v0, vectors, rows, *, method, max_iter, tol, chunk_size, call, ranks=None, basis=0
+    jac,
+    masks,
+    v0,
+    vectors,
+    rows,
+    *,
+    method,
+    max_iter,
+    tol,
+    chunk_size,
+    call,
+    ranks=None,
+    basis=0,
+    stop=None,
+    state=None,
 ) -> list[Estimate]:
     """Estimates for the operators ``rows`` (their masks and start vectors given); their top
     vectors land in ``vectors[rows]``. With ``ranks`` the operator is the global batch's: its
@@ -529,7 +580,15 @@ def _estimate(
     if tol is None:
         tol = default_tol(low, method)
     out = torch.empty_like(v0)
-    kw = {"max_iter": max_iter, "out": out, "subset": True}
+    kw: dict[str, Any] = {"max_iter": max_iter, "out": out, "subset": True}
+    if stop is not None:
+        ops = torch.as_tensor(rows, dtype=torch.long)
+
+        def rule(idx: torch.Tensor, sigma: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
+            state[0, ops[idx]], state[1, ops[idx]] = sigma.double(), res.double()
+            return stop(ops[idx], state[0], state[1])
+
+        kw["stop"] = rule
     if method == "power":  # the residual bound at the Lanczos tolerance, or tol if looser
         ests = operator_norm(matvec, rmatvec, v0, tol=tol, rtol=max(tol, rtol), **kw)
     else:

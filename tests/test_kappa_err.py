@@ -1,0 +1,165 @@
+"""kappa's error bound (issue 29.1): certified against dense Jacobians, and what it costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sensitivity import dense_blocks, top_sv
+from thirdparty_models import ForLoopModel, SharedBlockModel, make, one_thread, randn  # noqa: F401
+
+import loopprobe as lp
+from loopprobe.estimate.alignment import kappa_interval, visit_alignment
+from loopprobe.linalg import norm_bounds, operator_norm, operator_norm_krylov
+
+EPS = float(torch.finfo(torch.float64).eps)
+
+
+def mse(target: torch.Tensor):
+    return lambda out, inputs: ((out - target) ** 2).sum()
+
+
+def brute_kappas(model, x, target, K: int, R: int) -> list[float]:
+    """kappa_j of every block from an explicitly untied copy: dense Jacobians, exact G."""
+    twin = model.untied()
+    J = dense_blocks(twin, x, [f"steps.{i}." for i in range(K * R)])
+    grads = torch.autograd.grad(mse(target)(twin(x), x), list(twin.steps.parameters()))
+    n = len(list(twin.steps[0].parameters()))
+    G = [torch.cat([g.reshape(-1) for g in grads[i * n : (i + 1) * n]]) for i in range(K * R)]
+    out = []
+    for j in range(K):
+        Js, Gs = J[j::K], G[j::K]
+        num = top_sv(sum(Js)) * float(sum(Gs).norm())
+        out.append(num / (R * max(top_sv(a) for a in Js) * max(float(g.norm()) for g in Gs)))
+    return out
+
+
+@pytest.mark.parametrize("tol", [1e-2, 1e-4, 1e-6])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kappa_error_is_within_its_certified_bound_against_dense_jacobians(tol, seed):
+    model = make(ForLoopModel, seed=seed, K=2, R=3)
+    x, target = randn(3, 5, seed=seed + 1), randn(3, 5, seed=seed + 7)
+    rep = visit_alignment(lp.attach(model), x, mse(target), max_iter=80, tol=tol)
+    assert rep.converged, rep.reason
+    assert rep.tol == tol and 0 <= rep.kappa_err <= tol
+    brute = brute_kappas(model, x, target, K=2, R=3)
+    for row, exact in zip(rep.sublayers.itertuples(), brute, strict=True):
+        assert row.kappa_lo <= exact <= row.kappa_hi
+        assert abs(row.kappa - exact) <= row.kappa_err <= tol
+    assert rep.kappa_lo <= max(brute) <= rep.kappa_hi
+    assert abs(rep.kappa - max(brute)) <= rep.kappa_err
+
+
+def test_visits_that_cannot_be_the_max_stop_early_and_keep_a_true_interval():
+    model = make(ForLoopModel, seed=0, K=2, R=3)
+    x, target = randn(3, 5), randn(3, 5, seed=7)
+    probe = lp.attach(model)
+    loose = visit_alignment(probe, x, mse(target), max_iter=80, tol=1e-2)
+    tight = visit_alignment(probe, x, mse(target), max_iter=80, tol=1e-6)
+    assert loose.visits.iterations.sum() < tight.visits.iterations.sum()
+    assert loose.kappa_err <= 1e-2 and tight.kappa_err <= 1e-6
+    twin = model.untied()
+    J = dense_blocks(twin, x, [f"steps.{i}." for i in range(6)])
+    for rep in (loose, tight):
+        for row in rep.visits.itertuples():
+            exact = top_sv(J[row.r * 2 + row.j])
+            assert row.U_lo <= exact <= row.U_hi < float("inf")
+        for j in (0, 1):  # the visit with the largest norm ran longest
+            mine = rep.visits[rep.visits.j == j]
+            top = mine.U_norm.idxmax()
+            assert mine.iterations[top] == mine.iterations.max()
+
+
+def test_a_shared_block_kappa_is_certified_and_each_visit_on_request():
+    model = make(SharedBlockModel, R=4)
+    x, target = randn(4, 6), randn(4, 3, seed=3)
+    rep = visit_alignment(lp.attach(model), x, mse(target), tol=1e-6, each_visit=True)
+    assert rep.converged and rep.kappa_err <= 1e-6
+    for row in rep.visits.itertuples():
+        assert row.U_hi <= row.U_norm * (1 + 1e-6)
+
+
+def test_kappa_interval_widens_with_the_tied_and_the_max_visit_intervals():
+    exact = kappa_interval((2.0, 2.0), [(1.0, 1.0), (0.5, 0.5)], 3.0, [1.5, 1.0], 0.0)
+    assert exact == pytest.approx((2.0, 2.0))  # 2 * 3 / (2 * 1 * 1.5)
+    lo, hi = kappa_interval((1.0, 1.1), [(1.0, 1.2), (0.5, 0.6)], 3.0, [1.5, 1.0], 0.0)
+    assert lo == pytest.approx(1.0 / 1.2) and hi == pytest.approx(1.1)
+    # a visit whose interval lies below the largest lower end does not move the interval
+    assert kappa_interval((1.0, 1.1), [(1.0, 1.2), (0.5, 0.9)], 3.0, [1.5, 1.0], 0.0) == (lo, hi)
+    assert kappa_interval((1.0, 1.0), [(1.0, 1.0)], 2.0, [2.0], 0.0) == (1.0, 1.0)  # R = 1
+    assert kappa_interval((9.0, 9.0), [(1.0, 1.0), (1.0, 1.0)], 2.0, [1.0, 1.0], 0.0)[1] == 2.0
+
+
+def test_norm_bounds_hold_the_top_singular_value_once_the_residual_is_trusted():
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(40, 30, generator=g, dtype=torch.float64)
+    s = float(torch.linalg.matrix_norm(A, 2))
+    for it in range(1, 30):
+        (est,) = operator_norm_krylov(
+            lambda v, i: v @ A.T, lambda u, i: u @ A, torch.randn(1, 30, generator=g,
+            dtype=torch.float64), max_iter=it, tol=0.0, subset=True,
+        )  # fmt: skip
+        lo, hi = norm_bounds(est.value, est.residual, EPS)
+        assert lo <= s <= hi
+    assert norm_bounds(float("nan"), float("nan"), EPS) == (0.0, float("inf"))
+
+
+def test_a_stop_rule_replaces_the_tolerance_in_both_solvers():
+    A = torch.diag(torch.linspace(1, 2, 20, dtype=torch.float64))
+    v0 = torch.ones(2, 20, dtype=torch.float64)
+    seen = []
+
+    def stop(idx, sigma, res):
+        seen.append(idx.tolist())
+        return (idx == 0) | (res < 1e-3)
+
+    for solver in (operator_norm_krylov, operator_norm):
+        seen.clear()
+        first, second = solver(
+            lambda v, i=None: v @ A, lambda u, i=None: u @ A, v0, max_iter=200, tol=0.0,
+            subset=True, stop=stop,
+        )  # fmt: skip
+        assert first.iterations == 1 and first.converged  # told to stop at once
+        assert second.converged and second.residual < 1e-3 and second.iterations > 1
+        assert seen[0] == [0, 1] and all(s == [1] for s in seen[1:])
+
+
+def test_kappa_tolerance_must_be_positive():
+    model = make(ForLoopModel, K=2, R=2)
+    x, target = randn(3, 5), randn(3, 5, seed=7)
+    with pytest.raises(ValueError, match="tol=0.0"):
+        visit_alignment(lp.attach(model), x, mse(target), tol=0.0)
+
+
+def test_narrow_products_give_the_numbers_of_products_over_every_visit():
+    # Issue 29.2: a visit operator's products carry offsets at the visits (r, .) only.
+    model = make(ForLoopModel, K=2, R=3)
+    x = randn(3, 5)
+    probe = lp.attach(model)
+    kw = {"max_iter": 12, "tol": 0.0, "warm_visits": False}
+    narrow = lp.sensitivity_norms(probe, x, **kw)
+    every = lp.sensitivity_norms(probe, x, narrow=False, **kw)
+    pairs = zip(narrow.visit_norms, every.visit_norms, strict=True)
+    for a, b in [*pairs, *zip(narrow.tied_norms.values(), every.tied_norms.values(), strict=True)]:
+        assert a.value == pytest.approx(b.value, rel=1e-12, abs=0)
+        assert a.iterations == b.iterations == 12
+
+
+def test_a_restricted_jacobian_transposes_only_its_visits_and_matches_the_whole_one():
+    from loopprobe.differentiate.jacobian import VisitJacobian
+
+    model = make(ForLoopModel, K=2, R=3)
+    x = randn(3, 5)
+    probe = lp.attach(model)
+    visits = [v for v in probe.visits(x) if v.grad_visible]
+    jac = VisitJacobian(probe, x, visits)
+    ks = [k for k, v in enumerate(visits) if v.r == 1]
+    sub = jac.restricted(ks)
+    w = randn(jac.vjp_fn() and jac.F0.numel(), seed=5)
+    whole, part = jac.transpose_all(w), sub.transpose_all(w)
+    assert len(part) == len(ks) == 2
+    for k, t in zip(ks, part, strict=True):
+        torch.testing.assert_close(t, whole[k], rtol=1e-12, atol=1e-14)
+    twin = model.untied()
+    J = dense_blocks(twin, x, [f"steps.{i}." for i in range(6)])
+    for k, t in zip(ks, part, strict=True):
+        torch.testing.assert_close(t, J[visits[k].r * 2 + visits[k].j].T @ w)
