@@ -34,8 +34,11 @@ MODULES = (
     "endpoint_identity",
     "positive_gain",
     "scale_error",
+    "endpoint_error",
+    "root_prediction",
     "recurrence_worth",
     "recurrence_fit",
+    "countable_fixed_points",
 )
 
 for _m in MODULES:

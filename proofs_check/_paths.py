@@ -8,6 +8,7 @@ are stacked along the example axis).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,15 @@ class Path:
         Hs, tg = self._batch(s)
         fs = lp.finite_step(lambda h: h + self.D, Hs, self.readout, tg, utility=self.utility)
         return 2 * fs.Q
+
+    def phi_batch(self, alphas: np.ndarray) -> np.ndarray:
+        """phi at each alpha in one batched evaluation of U (for dense grids and root finding;
+        ``phi`` goes through the library's ``path_gains`` instead)."""
+        Hs, tg = self._batch(alphas)
+        U = self.utility or reference_logprob(self.readout, tg)
+        U0 = (self.utility or reference_logprob(self.readout, self.targets))(self.H)
+        with torch.no_grad():
+            return (U(Hs) - U0).numpy()
 
     def phi(self, alphas: np.ndarray) -> np.ndarray:
         """phi(alpha) = U(H + alpha D) - U(H) at each alpha."""
@@ -147,3 +157,32 @@ def path_args(kinds: tuple[str, ...]) -> dict:
         "scale": st.floats(0.01, 4.0),
         "small": st.booleans(),
     }
+
+
+def shaped_path(seed: int, shape: str, A: float, k0: float, k1: float, w: float) -> Path:
+    """A transition whose gain phi(alpha) = psi(alpha) has a chosen curvature profile.
+
+    The utility is U(h) = psi(<h - H, D> / |D|^2) on a random state, so phi = psi exactly;
+    phi'' comes from the library's forward-mode AD like every other path. ``shape``:
+    ``"decay"``: psi'' = -k1 - (k0 - k1) exp(-t / w) (curvature -k0 at 0 relaxing to -k1);
+    ``"bump"``: psi'' = -k0 + k1 (t / w) e^(1 - t / w) (a curvature bump of height k1 at w).
+    psi(0) = 0 and psi'(0) = A in both.
+    """
+    g = torch.Generator().manual_seed(seed)
+    H = torch.randn(1, 3, 6, generator=g, dtype=f64)
+    D = torch.randn(1, 3, 6, generator=g, dtype=f64)
+    W = torch.randn(7, 6, generator=g, dtype=f64) / 6**0.5
+    targets = torch.randint(0, 7, (1, 3), generator=g)
+    H0, D0, n2 = H.clone(), D.clone(), float(D.pow(2).sum())
+
+    def U(h: torch.Tensor) -> torch.Tensor:
+        t = ((h - H0) * D0).flatten(1).sum(1) / n2
+        if shape == "decay":
+            e = torch.exp(-t / w)
+            return A * t - k1 * t**2 / 2 - (k0 - k1) * w * (t - w * (1 - e))
+        if shape == "bump":
+            e = torch.exp(-t / w)
+            return A * t - k0 * t**2 / 2 + k1 * math.e * w * (t - 2 * w * (1 - e) + t * e)
+        raise ValueError(shape)
+
+    return Path(H, D, lambda h: h @ W.T, targets, U)

@@ -99,10 +99,15 @@ def test_transitions_are_labelled_helpful_directional_and_finite_step_failures()
     ]  # fmt: skip
 
 
-def test_alpha_hat_is_one_without_negative_curvature():
+def test_alpha_hat_without_negative_curvature_is_the_better_endpoint_of_q():
+    """Paper Eq. 8 / App. A.4: for Q >= 0, alpha_hat = 1 if A + Q > 0, else 0."""
     F, readout, H, targets = problem(1)
     fs = lp.finite_step(F, H, readout, targets, utility=lambda h: (h**2).flatten(1).sum(1))
-    assert np.all(fs.Q > 0) and np.all(fs.alpha_hat == 1.0)
+    assert np.all(fs.Q > 0)
+    np.testing.assert_array_equal(fs.alpha_hat, np.where(fs.A + fs.Q > 0, 1.0, 0.0))
+    down = lp.finite_step(lambda h: 0.5 * h, H, readout, targets,
+                          utility=lambda h: (h**2).flatten(1).sum(1))  # fmt: skip
+    assert np.all(down.Q > 0) and np.all(down.A + down.Q < 0) and np.all(down.alpha_hat == 0)
     np.testing.assert_allclose(fs.gain, fs.predicted, rtol=1e-12)  # a quadratic utility
 
 

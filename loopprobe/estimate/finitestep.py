@@ -4,8 +4,10 @@ For a transition ``H -> F(H)`` with update ``D = F(H) - H`` and a readout utilit
 the gain along the straight path is ``phi(alpha) = U(H + alpha D) - U(H)``, alpha in
 [0, 1]. Its Taylor terms at 0 are the initial slope ``A = phi'(0) = <grad U(H), D>`` and
 the curvature term ``Q = phi''(0) / 2 = <D, hess U(H)[D]> / 2``; ``A + Q`` predicts the
-full-step gain ``phi(1)`` and ``alpha_hat = clip(-A / (2Q), 0, 1)`` (when Q < 0) the best
-step scale. A harmful transition (``phi(1) < 0``) is a *directional failure* when
+full-step gain ``phi(1)`` and ``alpha_hat`` the best step scale of the quadratic model
+``q(alpha) = A alpha + Q alpha^2`` on [0, 1] (its smallest maximiser, Eq. 8-9):
+``clip(-A / (2Q), 0, 1)`` when Q < 0, else 1 if A + Q > 0 and 0 otherwise. A harmful
+transition (``phi(1) < 0``) is a *directional failure* when
 ``A <= 0`` and a *finite-step failure* when ``A > 0``: the direction was right, the step
 too long.
 
@@ -137,7 +139,9 @@ def finite_step(
         gain = U(FH) - U0
         Q = d2 / 2
         ratio = torch.where(Q < 0, -A / (2 * Q).clamp(max=-torch.finfo(H.dtype).tiny), 1.0)
-        alpha_hat = torch.where(Q < 0, ratio.clamp(0.0, 1.0), torch.ones_like(A))
+        # Q >= 0: q is convex, its smallest maximiser on [0, 1] is 1 if q(1) = A + Q > 0, else 0
+        endpoint = ((A + Q) > 0).to(A.dtype)
+        alpha_hat = torch.where(Q < 0, ratio.clamp(0.0, 1.0), endpoint)
         scale = alpha_hat.view(-1, *[1] * (H.dim() - 1))
         gain_hat = U(H + scale * D) - U0
         kl = _mean_kl(logits0, readout(FH), targets != ignore_index)
