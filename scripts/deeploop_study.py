@@ -1,0 +1,167 @@
+"""DeepLoop against its baselines across R, and the p-sweep at R = 3 (issue 30.1).
+
+The design, estimator and criteria are pre-registered in docs/studies/deeploop.md (committed
+before any study cell ran). Post-norm LoopedGPT (K = 2, d_model 32, 4 heads, seq 32, batch 16)
+on byte-level lp.tasks.stdlib_text; arms ``post`` (alpha = beta = 1, the seed's baseline),
+``deepnorm`` (p = 1/4), ``deeploop`` (p = 1/2) at R in {1, 3, 7}, and ``postp`` at R = 3 for
+the p-sweep (p = 0, 1/4, 1/2 are the post, deepnorm, deeploop cells, shared). Every cell trains
+a fresh model (AdamW betas 0.9/0.95, linear warmup 5 %, linear decay to 0, clip 1, one fixed
+lr) and evaluates the held-out loss on fixed val batches at checkpoints. A seed fixes the
+init draws and the data order, so the arms of a seed are paired. Cells are cached one by one
+with lp.sweep in --cache (resumable, seed-major: an interrupted run leaves whole seeds), and
+the long CSV (one row per cell and checkpoint) is rewritten after every seed.
+
+    nice -n 19 python scripts/deeploop_study.py --cache /work/cache/deeploop   # the study
+    python scripts/deeploop_study.py --analyze       # tables + figure from the CSV, seconds
+    python scripts/deeploop_study.py --pilot --cache /work/cache/deeploop_pilot   # pilot
+    python scripts/deeploop_study.py --quick --cache /tmp/dlq --out /tmp/dlq.csv  # smoke
+
+One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from loopprobe import tasks
+from loopprobe.experiments import deeploop as study
+from loopprobe.experiments.coordcheck import make_optimizer
+from loopprobe.models import GPTConfig, LoopedGPT
+from loopprobe.sweeps import sweep
+
+BASE = {"K": 2, "d": 32, "heads": 4, "seq": 32, "batch": 16, "eval_batches": 16,
+        "checkpoints": 8}  # fmt: skip
+STUDY = {"seed0": 100, "seeds": 12, "p_seeds": 5, "steps": 1000, "lr": 3e-3,
+         "out": "docs/data/deeploop_study.csv"}  # fmt: skip
+PILOT = {"seed0": 0, "seeds": 3, "p_seeds": 0, "steps": 1000, "lr": 3e-3,
+         "out": "docs/data/deeploop_pilot.csv"}  # fmt: skip
+
+
+def val_batches(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(123)
+    return [tasks.stdlib_text(cfg["batch"], cfg["seq"], gen, split="val")
+            for _ in range(cfg["eval_batches"])]  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate(model: LoopedGPT, batches: list) -> float:
+    model.eval()
+    out = sum(float(tasks.lm_loss(model(x), y)) for x, y in batches) / len(batches)
+    model.train()
+    return out
+
+
+def train_cell(cfg: dict) -> list[dict]:
+    """Train one (norm, p, R, seed); one row per checkpoint (held-out loss at that step)."""
+    cpu0 = time.process_time()
+    gcfg = GPTConfig(vocab_size=256, seq_len=cfg["seq"], d_model=cfg["d"], n_heads=cfg["heads"],
+                     K=cfg["K"], R=cfg["R"], norm=cfg["norm"], p=cfg["p"])  # fmt: skip
+    model = LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
+    data = torch.Generator().manual_seed(7_000 + cfg["seed"])
+    evals = val_batches(cfg)
+    steps, n_warm = cfg["steps"], max(1, int(0.05 * cfg["steps"]))
+    opt = make_optimizer(model, "adamw", cfg["lr"])
+
+    def factor(t: int) -> float:
+        return min((t + 1) / n_warm, max(0.0, (steps - t) / max(1, steps - n_warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    marks = {round(steps * (i + 1) / cfg["checkpoints"]) for i in range(cfg["checkpoints"])}
+    rows, tail, error = [], [], None
+    model.train()
+    for t in range(steps):
+        x, y = tasks.stdlib_text(cfg["batch"], cfg["seq"], data)
+        loss = tasks.lm_loss(model(x), y)
+        if not torch.isfinite(loss):
+            error = f"non-finite training loss at step {t}"
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if t >= steps - max(1, steps // 10):
+            tail.append(float(loss.detach()))
+        if t + 1 in marks:
+            rows.append({"step": t + 1, "val_loss": evaluate(model, evals)})
+    final = rows[-1]["val_loss"] if rows and rows[-1]["step"] == steps else math.nan
+    if error is None and not math.isfinite(final):
+        error = "non-finite held-out loss"
+    if error is not None:
+        rows.append({"step": steps, "val_loss": math.nan})
+    train_loss = sum(tail) / len(tail) if tail else math.nan
+    cpu = time.process_time() - cpu0
+    for row in rows:
+        row.update(final=row["step"] == steps, train_loss=train_loss, cpu_s=round(cpu, 2),
+                   diverged=error is not None, error=error)  # fmt: skip
+    return rows
+
+
+train_cell.version = 1
+
+
+def cells_for_seed(seed: int, a: argparse.Namespace, with_p: bool) -> list[dict]:
+    """The study's cells of one seed: the three arms at every R, then the p-sweep at R = 3."""
+    base = {**BASE, "steps": a.steps, "lr": a.lr, "seed": seed}
+    out = [{"arm": arm, "norm": arm, "p": None, "R": R, **base}
+           for R in a.Rs for arm in study.ARMS]  # fmt: skip
+    if with_p:
+        out += [{"arm": "postp", "norm": "postp", "p": p, "R": study.P_SWEEP_R, **base}
+                for p in study.P_GRID if p not in study.SHARED_P]  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cache", default="/work/cache/deeploop")
+    ap.add_argument("--pilot", action="store_true", help="the pilot design (seeds 0-2)")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 6 steps: a smoke test")
+    ap.add_argument("--analyze", action="store_true", help="no training: tables and figure")
+    ap.add_argument("--seed0", type=int)
+    ap.add_argument("--seeds", type=int, help="how many seeds of the three-arm grid")
+    ap.add_argument("--p-seeds", type=int, dest="p_seeds", help="seeds that also run the p-sweep")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--Rs", default=",".join(map(str, study.RS)))
+    ap.add_argument("--out")
+    ap.add_argument("--figure", default="docs/figures/deeploop_study.png")
+    a = ap.parse_args()
+    for key, value in (PILOT if a.pilot else STUDY).items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.analyze:
+        report(pd.read_csv(a.out), a.figure)
+        return
+    torch.set_num_threads(1)
+    a.Rs = [int(r) for r in a.Rs.split(",")]
+    if a.quick:
+        a.seeds, a.p_seeds, a.steps = 1, 1, 6
+    frames = []
+    seeds = range(a.seed0, a.seed0 + a.seeds)
+    for i, seed in enumerate(tqdm(seeds, desc="seed", file=sys.stderr)):
+        cells = cells_for_seed(seed, a, with_p=i < a.p_seeds)
+        frames.append(sweep(cells, train_cell, a.cache, progress=True, name="deeploop_study"))
+        df = pd.concat(frames, ignore_index=True)
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        df.to_csv(a.out, index=False, float_format="%.6g")
+    print(f"{len(df[df['final']])} cells in {a.out}", file=sys.stderr)
+
+
+def report(df: pd.DataFrame, figure: str | None) -> None:
+    """Print the pre-registered tables and verdicts; draw the figure."""
+    print(study.summary_markdown(df))
+    if figure:
+        study.figure(df, figure)
+        print(f"figure: {figure}")
+
+
+if __name__ == "__main__":
+    main()
