@@ -17,7 +17,7 @@ from _oracles import assert_unchanged, snapshot
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.monitor.monitor import COLUMNS, Monitor, dense_early
+from loopprobe.monitor.monitor import COLUMNS, KAPPA_TOL, Monitor, dense_early
 from loopprobe.monitor.sinks import CallableSink, FileSink, TensorBoardSink, read_frame
 from loopprobe.plots.monitor import kappa_vs_step, visit_heatmap
 
@@ -170,11 +170,11 @@ def test_the_frame_equals_the_direct_estimator_calls_at_that_step():
     assert_unchanged(before, model)
     assert_same_state(opt_before, optimizer_state(opt))
     f = mon.frame
-    with lp.attach(model) as probe:
-        rep = lp.visit_alignment(probe, IDX, loss_fn)
+    with lp.attach(model) as probe:  # kappa to the monitor's default error bound
+        rep = lp.visit_alignment(probe, IDX, loss_fn, tol=KAPPA_TOL)
         ups = lp.per_visit_updates(probe, IDX, loss_fn)
         inc = lp.increments(probe, IDX)
-        bc = lp.bound_check(probe, IDX, loss_fn)
+        bc = lp.bound_check(probe, IDX, loss_fn, report=rep)
     rm = lp.round_map(model, IDX)
     h = rm.h0
     for _ in range(rm.rounds):

@@ -236,7 +236,7 @@ def sensitivity_norms(
         out: dict[int, Estimate] = {}
         for ks, part in _product_groups(visits, ops, rows, narrow):
             sub = jac if len(ks) == len(visits) else jac.restricted(ks)
-            sub_masks = masks[:, ks]
+            sub_masks = masks if sub is jac else masks[:, ks]  # restricted() may refuse
             for at in range(0, len(part), group):
                 g = part[at : at + group]
                 out.update(zip(g, estimate(sub, sub_masks[g], v0[g], vectors, g), strict=True))

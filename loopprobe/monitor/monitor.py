@@ -90,6 +90,7 @@ __all__ = [
 
 DIAGNOSTICS = ("updates", "increments", "kappa", "sensitivity", "rho", "bound")
 CALL = "Monitor"
+KAPPA_TOL = 1e-2  # the monitor's default bound on kappa's error (options={"kappa": {"tol": ...}})
 _clock = time.perf_counter  # the budget's clock (module level, so a test can replace it)
 
 
@@ -332,11 +333,13 @@ class Monitor:
 
 
 def _run_kappa(mon: Monitor, ctx: _Context) -> None:
-    kw = mon._kw("kappa", "forward", "output", "seed")
+    # a diagnostic during training needs kappa to 1e-2, not to the last digit (issue 29)
+    kw = {"tol": KAPPA_TOL, **mon._kw("kappa", "forward", "output", "seed")}
     rep = visit_alignment(mon.probe, mon.inputs, mon.loss_fn, update=mon.update, **kw)
     ctx.report = rep
     ctx.add("kappa_R", rep.kappa, converged=rep.converged, reason=rep.reason)
     ctx.add("kappa_bar", rep.kappa_bar, converged=rep.converged, reason=rep.reason)
+    ctx.add("kappa_err", rep.kappa_err, converged=rep.converged, reason=rep.reason)
     for row in rep.sublayers.itertuples():
         ok = bool(row.kappa_ok) and _is_true(getattr(row, "converged", True))
         ctx.add("kappa", row.kappa, sublayer=row.sublayer, converged=ok, reason=rep.reason)
