@@ -1,5 +1,6 @@
 """Small, readable reference looped models (see docs/models-api.md)."""
 
+from loopprobe.models.flt import FullyLoopedGPT
 from loopprobe.models.gpt import GPTConfig, LoopedGPT
 from loopprobe.models.hierarchical import HierarchicalLoop, HRMConfig
 from loopprobe.models.layers import Block, Branch, RMSNorm
@@ -8,6 +9,7 @@ from loopprobe.models.linear import LinearLoop, LinearLoopConfig
 __all__ = [
     "Block",
     "Branch",
+    "FullyLoopedGPT",
     "GPTConfig",
     "HRMConfig",
     "HierarchicalLoop",
