@@ -162,7 +162,8 @@ def test_every_command_with_a_user_model_takes_the_options_of_the_group():
     needs = {
         "kappa": {"--model", "--inputs", "--loss", "--forward", "--output", "--sublayers",
                   "--exclude", "--alpha", "--beta"},
-        "bound": {"--model", "--inputs", "--loss", "--forward", "--output", "--sublayers"},
+        "bound": {"--model", "--inputs", "--loss", "--forward", "--output", "--sublayers",
+                  "--exclude"},
         "report": {"--model", "--inputs", "--loss", "--forward", "--output", "--sublayers",
                    "--exclude", "--increment", "--step", "--alpha", "--beta"},
         "fixed-point": {"--model", "--inputs", "--step"},
@@ -208,6 +209,21 @@ def test_kappa_uses_sublayers_and_exclude(user_file, capsys):
     assert sorted(s["sublayer"] for s in both["sublayers"]) == ["block.0", "side"]
     one = run_json(capsys, "kappa", *spec, "--sublayers", "block.0", "side", "--exclude", "side")
     assert [s["sublayer"] for s in one["sublayers"]] == ["block.0"]
+
+
+def test_bound_sweep_probes_without_the_excluded_sublayers():
+    from loopprobe.models import GPTConfig, LoopedGPT
+
+    def make(R):
+        cfg = GPTConfig(vocab_size=11, seq_len=5, d_model=8, n_heads=2, K=1, R=R)
+        return LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).double()
+
+    x = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    kw = dict(lr=1e-3, max_iter=5)
+    loss = lambda out, _inputs: out.square().mean()  # noqa: E731
+    full = lp.bound_sweep(make, [1, 2], x, loss, **kw)
+    some = lp.bound_sweep(make, [1, 2], x, loss, exclude=["blocks.*.mlp"], **kw)
+    assert (some.frame["M"] * 2 == full.frame["M"]).all()  # attention visits only
 
 
 def test_a_one_argument_loss_names_the_expected_signature(user_file, capsys):

@@ -62,8 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "slope of ||dF|| in R (seed 002, Eq. 13-16)."
         ),
     )
-    # no --exclude: lp.bound_sweep takes sublayers= only
-    add_target_args(parser, default_norm="deepnorm", R="list", exclude=False)
+    add_target_args(parser, default_norm="deepnorm", R="list")
     parser.add_argument("--lr", type=float, default=1e-3, help="step size (1e-3)")
     parser.add_argument(
         "--optimizer",
@@ -119,6 +118,7 @@ def _sweep(args: argparse.Namespace, Rs: list[int], targets: dict) -> object:
         lambda model: next(t.inputs for t in targets.values() if t.model is model),
         _per_model_loss(targets),
         sublayers=first.sublayers,
+        exclude=first.exclude,
         lr=args.lr,
         optimizer=args.optimizer,
         scope=args.scope,

@@ -310,13 +310,15 @@ def bound_sweep(
     loss_fn: LossFn | None = None,
     *,
     sublayers: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> BoundSweep:
     """:func:`bound_check` on ``factory(R)`` for each R; slopes of log dF vs log R.
 
     ``inputs`` may be a callable ``inputs(model)``. ``slope`` fits the true relative change,
     ``slope_first`` the first-order one, ``slope_prediction`` the predicted bound;
-    ``C_ratio = max C / min C`` across R. Reference: seed 002, Eq. 13-16.
+    ``C_ratio = max C / min C`` across R; ``sublayers`` / ``exclude`` as in
+    :func:`loopprobe.attach`. Reference: seed 002, Eq. 13-16.
     """
     if len(Rs) < 2:
         raise ValueError(f"bound_sweep: need at least two values of R, got {list(Rs)}")
@@ -324,7 +326,7 @@ def bound_sweep(
     for R in Rs:
         model = factory(R)
         x = inputs(model) if callable(inputs) else inputs
-        with Probe(model, sublayers) as probe:
+        with Probe(model, sublayers, exclude) as probe:
             chk = bound_check(probe, x, loss_fn, **kwargs)
         rows.append({"R": R, **chk.to_dict()})
     frame = pd.DataFrame(rows)
