@@ -22,6 +22,8 @@ Per round: ``fixed_point -> FixedPoint``, ``round_residuals -> RoundResiduals``,
 ``scipy.sparse.linalg.LinearOperator``). Training health: ``instability -> Instability``.
 Scaling law: ``fit_recurrence_law`` (and :mod:`lp.scaling <loopprobe.estimate.scaling>`).
 Loop redundancy (FlashLoop's observations): ``redundancy -> Redundancy``.
+The result types (``Updates``, ``AlignmentReport``, ...) are in :mod:`lp.results
+<loopprobe.results>`, for annotations and ``isinstance``; the top level keeps what you call.
 
 **Watch training** (:mod:`loopprobe.monitor`): ``Monitor(model, inputs, loss_fn, ...)``;
 ``monitor.step(step)`` after ``optimizer.step()``; sinks for TensorBoard, files, callables;
@@ -30,7 +32,9 @@ trainer callbacks in :mod:`loopprobe.integrations`.
 **Present**: :mod:`lp.plots <loopprobe.plots>` (figures from the tidy frames) and
 :mod:`loopprobe.report` (``loopprobe report``).
 
-Around them: ``sweep`` and ``grid`` (cached grids of runs), ``threads`` (opt-in thread
+The layer packages (``loopprobe.record``, ``.differentiate``, ``.estimate``, ``.monitor``) are
+importable for code that extends loopprobe but are not listed here. Around them: ``sweep`` and
+``grid`` (cached grids of runs), ``threads`` (opt-in thread
 count for a block), ``transform_safe`` (a block where ``torch.func`` runs through fused
 attention, checkpointing and buffer writes, for any code), and the submodules
 ``lp.models`` (reference looped models), ``lp.tasks`` (data that needs no download),
@@ -45,6 +49,7 @@ torch`` (benchmarks/bench_startup.py). Definitions of every quantity: docs/defin
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -53,48 +58,31 @@ _NAMES = {
     # record
     "attach": "loopprobe.record.probe",
     "Probe": "loopprobe.record.probe",
-    "Recording": "loopprobe.record.types",
     # differentiate
     "visit_function": "loopprobe.differentiate.visitfn",
-    "VisitFunction": "loopprobe.differentiate.visitfn",
     "round_map": "loopprobe.differentiate.roundmap",
     "replay_round": "loopprobe.differentiate.roundmap",
     "RoundMap": "loopprobe.differentiate.roundmap",
     # estimate: per visit
     "per_visit_updates": "loopprobe.estimate.updates",
-    "Updates": "loopprobe.estimate.updates",
     "sensitivity_norms": "loopprobe.estimate.sensitivity",
-    "Sensitivity": "loopprobe.estimate.sensitivity",
     "sensitivity_operators": "loopprobe.estimate.sensitivity",
     "visit_alignment": "loopprobe.estimate.alignment",
-    "AlignmentReport": "loopprobe.estimate.alignment",
     "bound_check": "loopprobe.estimate.bound",
-    "BoundCheck": "loopprobe.estimate.bound",
     "bound_sweep": "loopprobe.estimate.bound",
-    "BoundSweep": "loopprobe.estimate.bound",
     "increments": "loopprobe.estimate.increments",
-    "Increments": "loopprobe.estimate.increments",
     "growth_sweep": "loopprobe.estimate.growth",
-    "Growth": "loopprobe.estimate.growth",
     # estimate: per round
     "fixed_point": "loopprobe.estimate.fixedpoint",
-    "FixedPoint": "loopprobe.estimate.fixedpoint",
     "round_residuals": "loopprobe.estimate.fixedpoint",
-    "RoundResiduals": "loopprobe.estimate.fixedpoint",
     "spectral_radius": "loopprobe.estimate.fixedpoint",
-    "SpectralRadius": "loopprobe.estimate.fixedpoint",
     "input_dependence": "loopprobe.estimate.implicit",
-    "InputDependence": "loopprobe.estimate.implicit",
     "finite_step": "loopprobe.estimate.finitestep",
-    "FiniteStep": "loopprobe.estimate.finitestep",
     # estimate: training health, fits
     "instability": "loopprobe.estimate.instability",
-    "Instability": "loopprobe.estimate.instability",
     "health": "loopprobe.estimate.health",
-    "Health": "loopprobe.estimate.health",
     "fit_recurrence_law": "loopprobe.estimate.scaling",
     "redundancy": "loopprobe.estimate.redundancy",
-    "Redundancy": "loopprobe.estimate.redundancy",
     # watch training
     "Monitor": "loopprobe.monitor.monitor",
     # around the layers
@@ -112,15 +100,16 @@ _SUBMODULES = {
     "experiments": "loopprobe.experiments",
     "linalg": "loopprobe.linalg",
     "testing": "loopprobe.testing",
+    "results": "loopprobe.results",
     "scaling": "loopprobe.estimate.scaling",
-    "record": "loopprobe.record",
-    "differentiate": "loopprobe.differentiate",
-    "estimate": "loopprobe.estimate",
     "report": "loopprobe.report",
-    "monitor": "loopprobe.monitor",
     "integrations": "loopprobe.integrations",
     "distributed": "loopprobe.distributed",
 }
+
+#: the layer packages: importable (``import loopprobe.record``) for code that extends
+#: loopprobe, reachable as ``lp.record`` etc., but not listed, so autocomplete shows the verbs
+_LAYERS = {name: f"loopprobe.{name}" for name in ("record", "differentiate", "estimate", "monitor")}
 
 __all__ = ["__version__", *_NAMES, *_SUBMODULES]
 
@@ -129,12 +118,25 @@ def __getattr__(name: str) -> Any:
     """Import a public name's module on first use (PEP 562) and keep the name here."""
     if name in _NAMES:
         value = getattr(importlib.import_module(_NAMES[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(_SUBMODULES[name])
+    elif name in _SUBMODULES or name in _LAYERS:
+        value = importlib.import_module({**_SUBMODULES, **_LAYERS}[name])
+    elif name in _moved():
+        warnings.warn(
+            f"lp.{name} is now lp.results.{name} (the top level keeps what you call); "
+            "the old name will be removed in 0.2",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("loopprobe.results"), name)
     else:
         raise AttributeError(f"module 'loopprobe' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def _moved() -> dict[str, str]:
+    """Result types that moved to ``lp.results`` (issue 28): the old ``lp.X`` still works."""
+    return importlib.import_module("loopprobe.results")._NAMES
 
 
 def __dir__() -> list[str]:
@@ -142,36 +144,25 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use
-    from loopprobe import experiments, linalg, models, plots, tasks, theory
+    from loopprobe import experiments, linalg, models, plots, results, tasks, theory
     from loopprobe._threads import threads
     from loopprobe.autodiff import transform_safe
     from loopprobe.differentiate.roundmap import RoundMap, replay_round, round_map
-    from loopprobe.differentiate.visitfn import VisitFunction, visit_function
+    from loopprobe.differentiate.visitfn import visit_function
     from loopprobe.estimate import scaling
-    from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
-    from loopprobe.estimate.bound import BoundCheck, BoundSweep, bound_check, bound_sweep
-    from loopprobe.estimate.finitestep import FiniteStep, finite_step
-    from loopprobe.estimate.fixedpoint import (
-        FixedPoint,
-        RoundResiduals,
-        SpectralRadius,
-        fixed_point,
-        round_residuals,
-        spectral_radius,
-    )
-    from loopprobe.estimate.growth import Growth, growth_sweep
-    from loopprobe.estimate.implicit import InputDependence, input_dependence
-    from loopprobe.estimate.increments import Increments, increments
-    from loopprobe.estimate.instability import Instability, instability
-    from loopprobe.estimate.redundancy import Redundancy, redundancy
+    from loopprobe.estimate.alignment import visit_alignment
+    from loopprobe.estimate.bound import bound_check, bound_sweep
+    from loopprobe.estimate.finitestep import finite_step
+    from loopprobe.estimate.fixedpoint import fixed_point, round_residuals, spectral_radius
+    from loopprobe.estimate.growth import growth_sweep
+    from loopprobe.estimate.health import health
+    from loopprobe.estimate.implicit import input_dependence
+    from loopprobe.estimate.increments import increments
+    from loopprobe.estimate.instability import instability
+    from loopprobe.estimate.redundancy import redundancy
     from loopprobe.estimate.scaling import fit_recurrence_law
-    from loopprobe.estimate.sensitivity import (
-        Sensitivity,
-        sensitivity_norms,
-        sensitivity_operators,
-    )
-    from loopprobe.estimate.updates import Updates, per_visit_updates
+    from loopprobe.estimate.sensitivity import sensitivity_norms, sensitivity_operators
+    from loopprobe.estimate.updates import per_visit_updates
     from loopprobe.monitor.monitor import Monitor
     from loopprobe.record.probe import Probe, attach
-    from loopprobe.record.types import Recording
     from loopprobe.sweeps import grid, sweep

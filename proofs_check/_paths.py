@@ -35,7 +35,7 @@ class Path:
         s_t = torch.as_tensor(np.asarray(s, float), dtype=f64).view(-1, 1, 1)
         return self.H + s_t * self.D, self.targets.expand(len(s_t), -1)
 
-    def taylor(self) -> lp.FiniteStep:
+    def taylor(self) -> lp.results.FiniteStep:
         """A, Q, phi(1), KL, alpha_hat of the transition itself (example 0)."""
         return lp.finite_step(
             lambda h: h + self.D, self.H, self.readout, self.targets, utility=self.utility

@@ -54,7 +54,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{q}.pt", weights_only=False) for q in range(WORLD)]
 
 
-def single_process(kind: str, weights: dict) -> lp.AlignmentReport:
+def single_process(kind: str, weights: dict) -> lp.results.AlignmentReport:
     model = (gpt if kind == "fsdp2" else BUILD[kind])()
     model.load_state_dict(weights)
     idx = BATCH["gpt" if kind == "fsdp2" else kind]

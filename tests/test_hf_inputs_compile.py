@@ -64,7 +64,7 @@ def as_batch_encoding(b: dict):
     return BatchEncoding(b)
 
 
-def kappa(model: nn.Module, inputs, loss_fn=None, **kw) -> lp.AlignmentReport:
+def kappa(model: nn.Module, inputs, loss_fn=None, **kw) -> lp.results.AlignmentReport:
     with lp.attach(model) as probe:
         return lp.visit_alignment(
             probe,

@@ -137,7 +137,7 @@ def check_kappa_in_range(
     sublayers: Sequence[str] | None = None,
     slack: float = 1e-6,
     **alignment_kwargs: Any,
-) -> lp.AlignmentReport:
+) -> lp.results.AlignmentReport:
     """``0 <= kappa_j <= R_j`` for every loop-body sublayer, from converged estimates
     (seed 002, Eq. 12; ``slack`` relative). Returns the alignment report."""
     __tracebackhide__ = True  # a failure points at the user\'s test line
@@ -382,7 +382,7 @@ def check_first_order_change(
     alpha: float | None = None,
     beta: float | None = None,
     **bound_kwargs: Any,
-) -> lp.BoundCheck:
+) -> lp.results.BoundCheck:
     """For a small SGD step on the loop body, the true change ``||F(theta + d) - F||`` matches
     the tied first-order change ``||J d||`` of one JVP (seed 002, Eq. 11 summed over the
     visits) to ``rtol``, and is not zero. Returns the :class:`loopprobe.BoundCheck`.
@@ -426,7 +426,7 @@ def check_bound(
     alpha: float | None = None,
     beta: float | None = None,
     **bound_kwargs: Any,
-) -> lp.BoundCheck:
+) -> lp.results.BoundCheck:
     """``||Delta F|| / ||F|| <= C_max * M_g kappa_R (beta/alpha)^2`` after one step, with
     converged estimates (seed 002, Eq. 14; ``C_max`` is the constant you state)."""
     __tracebackhide__ = True  # a failure points at the user\'s test line
@@ -458,7 +458,7 @@ def check_bound_slope(
     min_slope: float = -math.inf,
     Rs: Sequence[int] = (2, 4, 8),
     **bound_kwargs: Any,
-) -> lp.BoundSweep:
+) -> lp.results.BoundSweep:
     """The log-log slope in R of the true ``||Delta F|| / ||F||`` after one step lies in
     ``[min_slope, max_slope]`` (seed 002, Eq. 13-16: DeepLoop flat, DeepNorm slope 1).
 
@@ -543,7 +543,7 @@ def check_fixed_point_contracts(
     tol: float = 1e-8,
     max_iter: int = 500,
     **replay_kwargs: Any,
-) -> lp.SpectralRadius:
+) -> lp.results.SpectralRadius:
     """The loop reaches a fixed point ``h* = T(h*)`` from its start and the spectral radius
     of ``dT/dh`` there is below ``max_rho`` (docs/definitions.md §4), both converged.
 
