@@ -3,12 +3,13 @@
 Design and criteria: docs/studies/finite_step.md (committed before the run).
 
     nice -n 19 python scripts/finite_step_study.py --cache DIR        # a few CPU-minutes
-    python scripts/finite_step_study.py --quick --cache /tmp/fq --out /tmp/fq.csv
+    python scripts/finite_step_study.py --analyze    # verdicts + figure from the CSV, seconds
+    python scripts/finite_step_study.py --quick --cache /tmp/fq --out /tmp/fq.csv.gz
 
 One torch thread. Trains K = 1, R = 4 LoopedGPTs on prefix sums (one cached sweep cell per
 training seed), then loopprobe.estimate.finitestep_summary.failure_summary on 512 held-out
 inputs for the transitions r -> r + 1, r = 1..7, in float64. Writes one row per (seed,
-transition, input) to --out, the verdicts of the primary population (4 -> 5, pooled) with
+transition, input) to --out (gzipped, 6 significant digits), the verdicts of the primary population (4 -> 5, pooled) with
 2000 paired bootstrap resamples, and the figure.
 """
 
@@ -73,15 +74,23 @@ def run(cfg: dict) -> pd.DataFrame:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", default=None)
-    ap.add_argument("--out", default="docs/data/finite_step_study.csv")
+    ap.add_argument("--out", default="docs/data/finite_step_study.csv.gz")
     ap.add_argument("--fig", default="docs/figures/finite_step_study.png")
     ap.add_argument("--quick", action="store_true", help="1 seed, 60 steps, 64 inputs")
+    ap.add_argument("--analyze", action="store_true", help="only the analysis, from --out")
     a = ap.parse_args()
+    if a.analyze:
+        return analyze(pd.read_csv(a.out), 2000, a.fig)
     torch.set_num_threads(1)
     seeds, steps, inputs, nboot = ((0,), 60, 64, 200) if a.quick else ((0, 1, 2), 600, 512, 2000)
     grid = [{"seed": s, "steps": steps, "inputs": inputs, "seq_len": 16} for s in seeds]
     df = sweep(grid, run, cache_dir=a.cache, name="finite_step_study", version=1)
-    df.to_csv(a.out, index=False, float_format="%.7g")
+    df.to_csv(a.out, index=False, float_format="%.6g")
+    analyze(pd.read_csv(a.out), nboot, a.fig)  # from the file, so --analyze reproduces it
+
+
+def analyze(df: pd.DataFrame, nboot: int, fig: str) -> None:
+    """The pre-registered verdicts (4 -> 5 pooled, paired bootstrap), per transition, figure."""
     prim = df[df.transition == "4->5"].reset_index(drop=True)
     boot = paired_bootstrap(prim, n=nboot, seed=20260904)
     res = {}
@@ -96,7 +105,7 @@ def main() -> None:
     print(json.dumps(res, indent=1))
     print(json.dumps({"cpu_s": float(df.groupby("seed").cpu_s.first().sum()),
                       "train_loss": df.groupby("seed").train_loss.first().tolist()}))  # fmt: skip
-    plot(prim, per_r, a.fig)
+    plot(prim, per_r, fig)
 
 
 def plot(prim: pd.DataFrame, per_r: pd.DataFrame, path: str) -> None:
