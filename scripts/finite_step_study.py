@@ -9,8 +9,8 @@ Design and criteria: docs/studies/finite_step.md (committed before the run).
 One torch thread. Trains K = 1, R = 4 LoopedGPTs on prefix sums (one cached sweep cell per
 training seed), then loopprobe.estimate.finitestep_summary.failure_summary on 512 held-out
 inputs for the transitions r -> r + 1, r = 1..7, in float64. Writes one row per (seed,
-transition, input) to --out (gzipped, 6 significant digits), the verdicts of the primary population (4 -> 5, pooled) with
-2000 paired bootstrap resamples, and the figure.
+transition, input) to --out (gzipped, 6 significant digits), then the verdicts of the primary
+population (4 -> 5, pooled) with 2000 paired bootstrap resamples, and the figure.
 """
 
 from __future__ import annotations
