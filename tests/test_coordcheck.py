@@ -165,6 +165,23 @@ def test_bad_arguments_raise_with_the_fix():
         cc_mod.make_optimizer(torch.nn.Linear(2, 2), "lion", 1e-3)
 
 
+def test_the_reference_model_of_a_sweep_cell_is_seeded_by_the_cell_and_built_from_its_config():
+    from loopprobe.experiments._reference import reference_gpt
+
+    cell = {"seq_len": 8, "d_model": 8, "n_heads": 2, "seed": 3, "N": 2}
+    spec = dict(K=1, R=2, norm="pre", residual="1/N", tied=False)
+    a, again = reference_gpt(cell, **spec), reference_gpt(dict(cell), **spec)
+    other = reference_gpt({**cell, "seed": 4}, **spec)
+    sa, s_again, s_other = (m.state_dict() for m in (a, again, other))
+    assert all(torch.equal(sa[k], s_again[k]) for k in sa)  # the same cell, the same model
+    drawn = [k for k in sa if sa[k].dim() == 2]  # embeddings and matrices (norms start at 1)
+    assert drawn and not any(torch.equal(sa[k], s_other[k]) for k in drawn)
+    c = a.cfg
+    assert (c.vocab_size, c.seq_len, c.d_model, c.n_heads, c.K, c.R, c.residual, c.tied) == (
+        256, 8, 8, 2, 1, 2, "1/N", False)  # fmt: skip
+    assert reference_gpt(cell, vocab_size=11, **spec).cfg.vocab_size == 11
+
+
 def test_cli_coord_check_writes_csv_and_one_figure_per_scheme_and_quantity(tmp_path, capsys):
     code = main(["coord-check", "--schemes", "pre:1/sqrt(N),deeploop", "--N", "1,2",
                  "--seeds", "1", "--steps", "1", "--d-model", "16", "--seq-len", "8",

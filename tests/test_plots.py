@@ -184,6 +184,27 @@ def test_lr_transfer_draws_a_curve_and_a_star_per_N(tmp_path):
     saves_png(fig, tmp_path, "lr")
 
 
+def test_each_hue_level_keeps_its_palette_colour_in_order_of_first_appearance():
+    import seaborn as sns
+
+    colorblind = [tuple(c) for c in sns.color_palette("colorblind", 3)]
+    df = pd.DataFrame(
+        [
+            {"sublayer": s, "r": r, "U_norm": 1.0 + r, "G_norm": 0.1 * (r + 1)}
+            for s in ("mlp", "attn", "head")  # not sorted: first appearance decides
+            for r in range(3)
+        ]
+    )
+    for ax in plots.visit_norms(df).axes:  # the same colour per sublayer on both panels
+        lines = data_lines(ax)
+        assert [line.get_label() for line in lines] == ["mlp", "attn", "head"]
+        assert [tuple(line.get_color()) for line in lines] == colorblind
+    fp = pd.DataFrame({"variant": ["b", "b", "a", "a"], "iteration": [0, 1, 0, 1],
+                       "residual": [1.0, 0.5, 1.0, 0.9]})  # fmt: skip
+    (ax,) = plots.fixed_point_residuals(fp).axes
+    assert [tuple(line.get_color()) for line in data_lines(ax)] == colorblind[:2]
+
+
 def test_fixed_point_residuals_is_log_y_with_a_trace_per_variant_and_the_tolerance(tmp_path):
     df = pd.DataFrame(
         [

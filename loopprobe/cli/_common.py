@@ -202,6 +202,29 @@ def check_positive(args: Any, names: tuple[str, ...]) -> None:
             raise ValueError(f"{flag} must be an integer >= 1, got {value}")
 
 
+def add_sweep_args(
+    parser: argparse.ArgumentParser,
+    *,
+    N: list[int],
+    seeds: int,
+    d_model: int,
+    seq_len: int,
+    batch: int,
+    heads: bool,
+) -> None:
+    """The options of the sweep commands over the reference model: ``--N``, ``--seeds``,
+    the model size (:func:`add_size_args`), ``--cache`` and ``--json``;
+    :func:`setup_sweep` reads them back."""
+    parser.add_argument("--N", type=int_list, default=N,
+                        help=f"loop counts, comma-separated ({','.join(map(str, N))})")  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=seeds, help=f"seeds 0..S-1 (default {seeds})")
+    add_size_args(parser, d_model=d_model, seq_len=seq_len, batch=batch, heads=heads)
+    parser.add_argument("--cache", default=None,
+                        help="cache directory of the sweep cells (resumes a run)")  # fmt: skip
+    add_json_arg(parser)
+    parser.set_defaults(cache_of=lambda args: args.cache)
+
+
 def add_size_args(
     parser: argparse.ArgumentParser, *, d_model: int, seq_len: int, batch: int, heads: bool
 ) -> None:
@@ -352,11 +375,14 @@ def text_table(head: list[str], rows: list[list[str]]) -> list[str]:
     ]
 
 
-def setup_sweep(args: Any, work: float | None = None) -> None:
-    """Shared start of the sweep commands: check ``--seeds``, then choose the threads."""
+def setup_sweep(args: Any, blocks: int) -> dict[str, Any]:
+    """Shared start of the sweep commands (:func:`add_sweep_args`): check ``--seeds``, choose
+    the threads for a reference model of ``blocks`` physical blocks, and return the
+    drivers' keywords ``seeds``, ``cache_dir`` and the model size."""
     if args.seeds < 1:
         raise ValueError(f"--seeds {args.seeds}: give at least 1")
-    apply_threads(args, work)
+    apply_threads(args, reference_work(args.d_model, args.seq_len, args.batch, blocks))
+    return {"seeds": list(range(args.seeds)), "cache_dir": args.cache, **size_of(args)}
 
 
 def reference_work(d_model: int, seq_len: int, batch: int, blocks: int, vocab: int = 256) -> float:

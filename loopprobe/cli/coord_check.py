@@ -19,16 +19,7 @@ import argparse
 import pathlib
 import re
 
-from loopprobe.cli._common import (
-    add_json_arg,
-    add_size_args,
-    choice_list,
-    int_list,
-    print_json,
-    reference_work,
-    setup_sweep,
-    size_of,
-)
+from loopprobe.cli._common import add_sweep_args, choice_list, print_json, setup_sweep
 from loopprobe.theory import COORD_QUANTITIES, SCHEMES
 
 
@@ -44,23 +35,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--schemes", type=choice_list(SCHEMES, "--schemes"), default=list(SCHEMES),
                         help="comma-separated: " + ", ".join(SCHEMES))  # fmt: skip
-    parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8, 16], help="loop counts")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds 0..S-1 (default 2)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (4)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (1e-3)")
     parser.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam",
                         help="optimizer of the training steps (adam)")  # fmt: skip
     parser.add_argument("--K", type=int, default=1, help="physical blocks (R = N/K rounds)")
-    add_size_args(parser, d_model=64, seq_len=32, batch=8, heads=False)
+    add_sweep_args(parser, N=[1, 2, 4, 8, 16], seeds=2, d_model=64, seq_len=32, batch=8,
+                   heads=False)  # fmt: skip
     parser.add_argument("--h0-rms", dest="h0_rms", default="1",
                         help="RMS of the loop input h_0 at init via a fixed embedding "
                         "multiplier (default 1); 'model' trains the model as built")  # fmt: skip
     parser.add_argument("--quantities", default="state_change,increment_change",
                         help="figures to draw: " + ", ".join(COORD_QUANTITIES))  # fmt: skip
-    parser.add_argument("--cache", default=None, help="cache directory for the sweep cells")
     parser.add_argument("--out", required=True, help="output directory (CSV and figures)")
-    add_json_arg(parser)
-    parser.set_defaults(func=run, cache_of=lambda args: args.cache)
+    parser.set_defaults(func=run)
 
 
 def _slug(text: str) -> str:
@@ -68,7 +56,7 @@ def _slug(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, args.K))
+    sweep = setup_sweep(args, args.K)
     quantities = [q.strip() for q in args.quantities.split(",") if q.strip()]
     bad = [q for q in quantities if q not in COORD_QUANTITIES]
     if bad:
@@ -78,14 +66,12 @@ def run(args: argparse.Namespace) -> int:
     cc = reference_coord_check(
         args.schemes,
         args.N,
-        list(range(args.seeds)),
         K=args.K,
         steps=args.steps,
         lr=args.lr,
         optimizer=args.optimizer,
-        **size_of(args),
         h0_rms=None if args.h0_rms == "model" else float(args.h0_rms),
-        cache_dir=args.cache,
+        **sweep,
     )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

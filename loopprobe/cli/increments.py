@@ -19,16 +19,12 @@ import math
 import pathlib
 
 from loopprobe.cli._common import (
-    add_json_arg,
-    add_size_args,
+    add_sweep_args,
     add_user_model_args,
     choice_list,
     increment_spec,
-    int_list,
     print_json,
-    reference_work,
     setup_sweep,
-    size_of,
 )
 from loopprobe.theory import RESIDUALS, TYINGS
 
@@ -49,9 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tied, untied or both (comma-separated)")  # fmt: skip
     parser.add_argument("--residual", type=choice_list(RESIDUALS, "--residual"), default=["1/N"],
                         help="none, 1/sqrt(N), 1/N, loop-mup (comma-separated)")  # fmt: skip
-    parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8, 16, 32], help="loop counts")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..S-1 (default 3)")
-    add_size_args(parser, d_model=64, seq_len=32, batch=8, heads=True)
+    add_sweep_args(parser, N=[1, 2, 4, 8, 16, 32], seeds=3, d_model=64, seq_len=32, batch=8,
+                   heads=True)  # fmt: skip
     parser.add_argument(
         "--h0-rms",
         dest="h0_rms",
@@ -59,14 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="RMS of the loop's starting state h_0 (default 1, seed 004's Theta(1) "
         "assumption); 'model' keeps the model's own embedding (std 0.02)",
     )
-    parser.add_argument("--cache", default=None, help="cache directory for the sweep cells")
     parser.add_argument("--out", default=None, help="directory for increments.csv and growth.png")
-    add_json_arg(parser)
     add_user_model_args(
         parser, "model", "inputs", "forward", "sublayers", "exclude", "increment",
         title="your own model (one forward pass instead of the reference sweep)",
     )  # fmt: skip
-    parser.set_defaults(func=run, cache_of=lambda args: args.cache)
+    parser.set_defaults(func=run)
 
 
 def _h0(text: str) -> float | None:
@@ -91,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     # untied: N blocks of one model, the largest the sweep builds
     blocks = max(args.N) if "untied" in args.tying else 1
-    setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, blocks))
+    sweep = setup_sweep(args, blocks)
     h0 = _h0(args.h0_rms)
     results = []
     for tying in args.tying:
@@ -101,10 +94,8 @@ def run(args: argparse.Namespace) -> int:
                     tying,
                     residual,
                     args.N,
-                    list(range(args.seeds)),
-                    **size_of(args),
                     h0_rms=h0,
-                    cache_dir=args.cache,
+                    **sweep,
                 )
             )
     if args.out:

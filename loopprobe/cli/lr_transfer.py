@@ -17,16 +17,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from loopprobe.cli._common import (
-    add_json_arg,
-    add_size_args,
-    choice_list,
-    int_list,
-    print_json,
-    reference_work,
-    setup_sweep,
-    size_of,
-)
+from loopprobe.cli._common import add_sweep_args, choice_list, print_json, setup_sweep
 from loopprobe.theory import RESIDUALS
 
 
@@ -52,36 +43,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--residual", type=choice_list(RESIDUALS, "--residual"),
                         default=["1/sqrt(N)", "1/N"],
                         help="residual rules: " + ", ".join(RESIDUALS))  # fmt: skip
-    parser.add_argument("--N", type=int_list, default=[1, 2, 4, 8],
-                        help="loop counts, comma-separated (1,2,4,8)")  # fmt: skip
     parser.add_argument("--lr", type=_floats, default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2],
                         help="learning-rate grid, comma-separated (1e-3 .. 3.2e-2)")  # fmt: skip
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..S-1 (default 1)")
     parser.add_argument("--steps", type=int, default=150, help="AdamW steps per run (150)")
-    add_size_args(parser, d_model=64, seq_len=64, batch=16, heads=True)
+    add_sweep_args(parser, N=[1, 2, 4, 8], seeds=1, d_model=64, seq_len=64, batch=16, heads=True)
     parser.add_argument("--eval-batches", dest="eval_batches", type=int, default=8,
                         help="held-out batches of the evaluated loss (8)")  # fmt: skip
-    parser.add_argument("--cache", default=None, help="cache directory (resumable)")
     parser.add_argument("--out", default=None, help="directory for lr_transfer.csv and .png")
     parser.add_argument("--progress", action="store_true", help="show a progress bar")
-    add_json_arg(parser)
-    parser.set_defaults(func=run, cache_of=lambda args: args.cache)
+    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_sweep(args, reference_work(args.d_model, args.seq_len, args.batch, 1))
+    sweep = setup_sweep(args, 1)
     from loopprobe.experiments.lrtransfer import reference_lr_transfer
 
     lt = reference_lr_transfer(
         args.residual,
         args.N,
         args.lr,
-        list(range(args.seeds)),
         steps=args.steps,
-        **size_of(args),
         eval_batches=args.eval_batches,
-        cache_dir=args.cache,
         progress=args.progress,
+        **sweep,
     )
     best, drift, df = lt.best(), lt.drift(), lt.to_frame()
     if args.out:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from loopprobe._stats import loglog_slope
+from loopprobe.experiments._reference import reference_gpt
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward
 from loopprobe.sweeps import grid, sweep
@@ -448,20 +449,9 @@ def reference_coord_check(
 
 def _reference_cell(cfg: dict) -> list[dict]:
     from loopprobe import tasks
-    from loopprobe.models import GPTConfig, LoopedGPT
 
     norm, residual = parse_scheme(cfg["scheme"])
-    gcfg = GPTConfig(
-        vocab_size=256,
-        seq_len=cfg["seq_len"],
-        d_model=cfg["d_model"],
-        n_heads=cfg["n_heads"],
-        K=cfg["K"],
-        R=cfg["N"] // cfg["K"],
-        norm=norm,
-        residual=residual,
-    )
-    model = LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
+    model = reference_gpt(cfg, K=cfg["K"], R=cfg["N"] // cfg["K"], norm=norm, residual=residual)
     probe_idx, _ = tasks.stdlib_text(
         cfg["batch"], cfg["seq_len"], torch.Generator().manual_seed(50_000 + cfg["seed"])
     )

@@ -14,6 +14,7 @@ from torch import nn
 
 from loopprobe.estimate.growth import Growth, _fit, _ints, _positive_ints, _row
 from loopprobe.estimate.increments import increments
+from loopprobe.experiments._reference import reference_gpt
 from loopprobe.record.types import Forward
 from loopprobe.sweeps import grid, sweep
 from loopprobe.theory import TYINGS
@@ -73,20 +74,9 @@ def reference_growth(
 
 
 def _reference_model(cfg: dict) -> nn.Module:
-    from loopprobe.models import GPTConfig, LoopedGPT
-
-    gcfg = GPTConfig(
-        vocab_size=cfg["vocab_size"],
-        seq_len=cfg["seq_len"],
-        d_model=cfg["d_model"],
-        n_heads=cfg["n_heads"],
-        K=1,
-        R=cfg["N"],
-        norm="pre",
-        residual=cfg["residual"],
-        tied=cfg["tying"] == "tied",
-    )
-    return LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
+    tied = cfg["tying"] == "tied"
+    return reference_gpt(cfg, vocab_size=cfg["vocab_size"], K=1, R=cfg["N"], norm="pre",
+                         residual=cfg["residual"], tied=tied)  # fmt: skip
 
 
 def start_at_rms(h0_rms: float | None) -> Forward:

@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from loopprobe.experiments._reference import reference_gpt
 from loopprobe.experiments.coordcheck import make_optimizer
 from loopprobe.sweeps import sweep
 from loopprobe.tasks import lm_loss
@@ -311,19 +312,8 @@ def reference_lr_transfer(
 
 def _reference_cell(cfg: dict) -> dict:
     from loopprobe import tasks
-    from loopprobe.models import GPTConfig, LoopedGPT
 
-    gcfg = GPTConfig(
-        vocab_size=256,
-        seq_len=cfg["seq_len"],
-        d_model=cfg["d_model"],
-        n_heads=cfg["n_heads"],
-        K=1,
-        R=cfg["N"],
-        norm="pre",
-        residual=cfg["residual"],
-    )
-    model = LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
+    model = reference_gpt(cfg, K=1, R=cfg["N"], norm="pre", residual=cfg["residual"])
     B, T = cfg["batch"], cfg["seq_len"]
     val_gen = torch.Generator().manual_seed(123)
     evals = [tasks.stdlib_text(B, T, val_gen, split="val") for _ in range(cfg["eval_batches"])]

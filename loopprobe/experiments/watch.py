@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
+from loopprobe.experiments._reference import reference_gpt
 from loopprobe.experiments.coordcheck import make_optimizer
-from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.monitor.monitor import Monitor
 from loopprobe.sweeps import grid, sweep
 from loopprobe.tasks import lm_loss, stdlib_text
@@ -80,16 +80,7 @@ def watch_training(
 
 def _cell(cfg: dict) -> list[dict]:
     """Train one scheme with the monitor on; the monitor's rows (JSON-able for the cache)."""
-    gcfg = GPTConfig(
-        vocab_size=256,
-        seq_len=cfg["seq_len"],
-        d_model=cfg["d_model"],
-        n_heads=cfg["n_heads"],
-        K=cfg["K"],
-        R=cfg["R"],
-        **SCHEMES[cfg["scheme"]],
-    )
-    model = LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
+    model = reference_gpt(cfg, K=cfg["K"], R=cfg["R"], **SCHEMES[cfg["scheme"]])
     opt = make_optimizer(model, "adamw", cfg["lr"])
     data = torch.Generator().manual_seed(10_000 + cfg["seed"])
     probe_x, probe_y = stdlib_text(8, cfg["seq_len"], torch.Generator().manual_seed(1), "val")

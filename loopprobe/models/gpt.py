@@ -37,8 +37,33 @@ def _at_least(cls: str, name: str, value: int, low: int) -> None:
         raise ValueError(f"{cls}.{name}={value!r} is invalid; it must be an integer >= {low}")
 
 
+def _check_sizes(cls: str, cfg: object, positive: tuple, nonnegative: tuple = ()) -> None:
+    """Sizes are integers (``positive`` >= 1, ``nonnegative`` >= 0); heads divide d_model."""
+    for name in positive:
+        _at_least(cls, name, getattr(cfg, name), 1)
+    for name in nonnegative:
+        _at_least(cls, name, getattr(cfg, name), 0)
+    if cfg.d_model % cfg.n_heads:
+        raise ValueError(
+            f"{cls}.d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}; "
+            "pick d_model as a multiple of n_heads"
+        )
+
+
+class _ScaleGains:
+    """``alpha`` and ``beta`` of a config's residual scheme (``scales``, seed 002, Eq. 3/7)."""
+
+    @property
+    def alpha(self) -> float:
+        return self.scales.alpha
+
+    @property
+    def beta(self) -> float:
+        return self.scales.beta
+
+
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(_ScaleGains):
     """Configuration of :class:`LoopedGPT`.
 
     ``norm``: ``pre`` (Pre-LN, residual multiplier from ``residual``), ``post`` (Post-LN,
@@ -75,15 +100,8 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         c = "GPTConfig"
-        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "K", "R", "mlp_ratio"):
-            _at_least(c, name, getattr(self, name), 1)
-        for name in ("prelude", "coda"):
-            _at_least(c, name, getattr(self, name), 0)
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"{c}.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                "pick d_model as a multiple of n_heads"
-            )
+        sizes = ("vocab_size", "seq_len", "d_model", "n_heads", "K", "R", "mlp_ratio")
+        _check_sizes(c, self, sizes, ("prelude", "coda"))
         _choice(c, "norm", self.norm, NORMS)
         _choice(c, "residual", self.residual, RESIDUALS)
         _choice(c, "recall", self.recall, RECALLS)
@@ -118,14 +136,6 @@ class GPTConfig:
     def M(self) -> int:
         """Residual-sublayer visits 2N (seed 002, Eq. 9)."""
         return 2 * self.N
-
-    @property
-    def alpha(self) -> float:
-        return self.scales.alpha
-
-    @property
-    def beta(self) -> float:
-        return self.scales.beta
 
     @property
     def eps(self) -> float:

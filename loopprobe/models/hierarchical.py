@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from loopprobe import theory
-from loopprobe.models.gpt import NORMS, _at_least, _choice
+from loopprobe.models.gpt import NORMS, _check_sizes, _choice, _ScaleGains
 from loopprobe.models.layers import Block, RMSNorm, no_global_draws
 
 
 @dataclass(frozen=True)
-class HRMConfig:
+class HRMConfig(_ScaleGains):
     """Configuration of :class:`HierarchicalLoop`.
 
     The scales alpha, beta use the gradient-visible block-equivalent depth N_g = M_g / 2 when
@@ -41,12 +41,8 @@ class HRMConfig:
 
     def __post_init__(self) -> None:
         c = "HRMConfig"
-        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "K_H", "K_L", "C", "C_L"):
-            _at_least(c, name, getattr(self, name), 1)
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"{c}.d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
-            )
+        sizes = ("vocab_size", "seq_len", "d_model", "n_heads", "K_H", "K_L", "C", "C_L")
+        _check_sizes(c, self, sizes)
         _choice(c, "norm", self.norm, NORMS)
         _ = self.scales  # validates p through the theory
 
@@ -63,14 +59,6 @@ class HRMConfig:
     @property
     def scales(self) -> theory.Scales:
         return theory.scales(self.M_g // 2, self.norm, p=self.p)
-
-    @property
-    def alpha(self) -> float:
-        return self.scales.alpha
-
-    @property
-    def beta(self) -> float:
-        return self.scales.beta
 
 
 class HierarchicalLoop(nn.Module):

@@ -85,6 +85,18 @@ def palette(n: int) -> list:
     return sns.color_palette("colorblind", max(n, 1))
 
 
+def level_colors(levels: Sequence) -> dict:
+    """One colour of :func:`palette` per level, in the order given."""
+    return dict(zip(levels, palette(len(levels)), strict=True))
+
+
+def colored_groups(df: pd.DataFrame, col: str | None):
+    """(colour, level, sub-frame) per level of ``col``: :func:`groups` coloured in order."""
+    colors = level_colors(order(df, col))
+    for level, sub in groups(df, col):
+        yield colors[level], level, sub
+
+
 def line(ax: Axes, sub: pd.DataFrame, x: str, y: str, **kw) -> None:
     """Mean over repeated x (seeds) with markers; the spread as a band when there is one."""
     stats = sub.groupby(x, sort=True)[y].agg(["mean", "min", "max", "count"])

@@ -15,13 +15,13 @@ from loopprobe._stats import loglog_slope
 from loopprobe.plots._base import (
     REF,
     check_frame,
+    colored_groups,
     groups,
     line,
     log2_x,
     log_y,
     new_figure,
     order,
-    palette,
     reference_slope,
     side_legend,
     two_decimals,
@@ -61,8 +61,7 @@ def kappa_vs_R(
     df = check_frame("kappa_vs_R", df, {"x": x, "y": y, "hue": hue})
     fig, axes = new_figure()
     ax = axes[0, 0]
-    levels = order(df, hue)
-    for color, (level, sub) in zip(palette(len(levels)), groups(df, hue), strict=True):
+    for color, level, sub in colored_groups(df, hue):
         line(ax, sub, x, y, color=color, label=str(level) if hue else y)
     rs = np.sort(df[x].unique().astype(float))
     if len(rs):
@@ -104,7 +103,7 @@ def delta_f_vs_R(
         slopes = predicted_slopes([lv for lv in levels if lv is not None])
     fig, axes = new_figure()
     ax = axes[0, 0]
-    for color, (level, sub) in zip(palette(len(levels)), groups(df, hue), strict=True):
+    for color, level, sub in colored_groups(df, hue):
         fit = loglog_slope(sub[x], sub[y])
         name = str(level) if hue else y
         line(ax, sub, x, y, color=color, label=f"{name} (fit {two_decimals(fit)})")
@@ -141,9 +140,8 @@ def visit_norms(
         raise ValueError("visit_norms: U and G are both None; name at least one column")
     df = check_frame("visit_norms", df, {"x": x, "sublayer": sublayer, "U": U, "G": G})
     fig, axes = new_figure(ncols=len(panels))
-    levels = order(df, sublayer)
     for ax, (col, label) in zip(axes[0], panels, strict=True):
-        for color, (level, sub) in zip(palette(len(levels)), groups(df, sublayer), strict=True):
+        for color, level, sub in colored_groups(df, sublayer):
             line(ax, sub, x, col, color=color, label=str(level) if sublayer else col)
         if logy:
             log_y(ax)

@@ -8,16 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from loopprobe.plots._base import (
-    REF,
-    check_frame,
-    groups,
-    legend_below,
-    log_y,
-    new_figure,
-    order,
-    palette,
-)
+from loopprobe.plots._base import REF, check_frame, colored_groups, legend_below, log_y, new_figure
 
 # ---------------------------------------------------------------------------- fixed points
 
@@ -42,8 +33,7 @@ def fixed_point_residuals(
     df = df[df[y] > 0]
     fig, axes = new_figure(size=(5.5, 4.8))
     ax = axes[0, 0]
-    levels = order(df, hue)
-    for color, (level, sub) in zip(palette(len(levels)), groups(df, hue), strict=True):
+    for color, level, sub in colored_groups(df, hue):
         sub = sub.sort_values(x)
         ax.plot(sub[x], sub[y], color=color, label=str(level) if hue else y)
     if tol is not None:
@@ -73,11 +63,8 @@ def eigenvalues(
     ax = axes[0, 0]
     t = np.linspace(0, 2 * np.pi, 361)
     ax.plot(np.cos(t), np.sin(t), label="|λ| = 1", **REF)
-    levels = order(df, hue)
     markers = ["o", "s", "^", "D", "v", "P", "X"]
-    for i, (color, (level, sub)) in enumerate(
-        zip(palette(len(levels)), groups(df, hue), strict=True)
-    ):
+    for i, (color, level, sub) in enumerate(colored_groups(df, hue)):
         rho = float(np.hypot(sub[real], sub[imag]).max()) if len(sub) else math.nan
         name = str(level) if hue else "λ"
         ax.plot(

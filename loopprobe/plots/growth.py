@@ -15,12 +15,12 @@ from loopprobe.plots._base import (
     check_frame,
     groups,
     legend_below,
+    level_colors,
     line,
     log2_x,
     log_y,
     new_figure,
     order,
-    palette,
     side_legend,
 )
 
@@ -47,8 +47,7 @@ def increment_growth(
     df = check_frame("increment_growth", df, {"x": x, "y": y, "hue": hue, "style": style})
     fig, axes = new_figure(size=(5.5, 4.8))
     ax = axes[0, 0]
-    levels = order(df, hue)
-    colors = dict(zip(levels, palette(len(levels)), strict=True))
+    colors = level_colors(order(df, hue))
     dashes = ["-", "-.", ":", (0, (5, 1))]
     for si, (slevel, ssub) in enumerate(groups(df, style)):
         for level, sub in groups(ssub, hue):
@@ -106,8 +105,7 @@ def coord_check(
     if len(steps) > max_cols:
         steps = [steps[i] for i in np.linspace(0, len(steps) - 1, max_cols).round().astype(int)]
     fig, axes = new_figure(ncols=len(steps), size=(3.4, 3.0))
-    levels = order(df, hue)
-    colors = dict(zip(levels, palette(len(levels)), strict=True))
+    colors = level_colors(order(df, hue))
     for ax, step in zip(axes[0], steps, strict=True):
         for level, sub in groups(df[df[col] == step], hue):
             if not sub.empty:
@@ -160,7 +158,7 @@ def lr_transfer(
     panels = order(df, col)
     fig, axes = new_figure(ncols=len(panels))
     levels = sorted(df[hue].unique())
-    colors = dict(zip(levels, palette(len(levels)), strict=True))
+    colors = level_colors(levels)
     for ax, (plevel, psub) in zip(axes[0], groups(df, col), strict=True):
         for level in levels:
             sub = psub[psub[hue] == level]

@@ -143,7 +143,7 @@ def training_watch(frame: pd.DataFrame, *, R: int | None = None) -> Figure:
     ``R``: divide kappa_R by it (default: the largest visit index + 1 in the frame).
     Reference: seed 002, Eq. 12 (kappa_R); docs/definitions.md §4 (rho).
     """
-    from loopprobe.plots._base import new_figure, palette
+    from loopprobe.plots._base import level_colors, new_figure
 
     call = "training_watch"
     _check(call, frame)
@@ -154,7 +154,7 @@ def training_watch(frame: pd.DataFrame, *, R: int | None = None) -> Figure:
         R = int(visits.max()) + 1 if len(visits) else 1
     fig, axes = new_figure(ncols=2, nrows=2)
     schemes = list(pd.unique(frame["scheme"]))
-    colors = dict(zip(schemes, palette(len(schemes)), strict=True))
+    colors = level_colors(schemes)
     panels = [
         ("kappa_R", f"κ_R / R (R = {R})", 1.0 / R, False),
         ("loss", "training loss", 1.0, False),
