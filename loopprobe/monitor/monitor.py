@@ -295,10 +295,13 @@ class Monitor:
 
     def state_dict(self) -> dict:
         """What a resumed run needs to continue this one: the frame's rows and the schedule's
-        phase (scheduled runs so far, for ``{name: n}`` multipliers), as plain Python values
+        phase (scheduled runs so far, for ``{name: n}`` multipliers) and an increment decision
+        made by size alone (kept for the whole run, also across a resume), as plain Python values
         (JSON- and ``torch.save``-able); the trainer callbacks save it in their checkpoints."""
         rows = [{k: _plain(v) for k, v in r.items()} for r in self.frame.to_dict("records")]
-        return {"runs": self._runs, "rows": rows, "skipped": list(self.skipped)}
+        pinned = dict(getattr(self, "_pinned_increment", None) or {})
+        return {"runs": self._runs, "rows": rows, "skipped": list(self.skipped),
+                "pinned_increment": pinned}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict` of a monitor of the run being resumed."""
@@ -312,6 +315,8 @@ class Monitor:
         self.skipped = [int(s) for s in state.get("skipped", [])]
         self._frames = [typed_frame(list(state["rows"]))] if state["rows"] else []
         self._frame = None
+        if state.get("pinned_increment"):  # the first decision by size, kept across a resume
+            self._pinned_increment = dict(state["pinned_increment"])
 
     def close(self) -> None:
         """Close the sinks (flush TensorBoard event files, finish CSV/Parquet files)."""
