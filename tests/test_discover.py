@@ -358,3 +358,35 @@ def test_a_forward_that_fails_under_data_flow_tracking_falls_back_with_a_warning
     with pytest.warns(UserWarning, match="failed under data-flow tracking.*no dispatch modes"):
         table = lp.attach(make(RefusesDispatchModes)).visit_table(randn(2, 6))
     assert list(table.sublayer) == ["block"] and list(table.visits) == [2]
+
+
+class _Readout(nn.Module):
+    """Holds the loop block's weight object and uses it outside any visit of the block."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class _TiedReadout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Linear(4, 4)
+        self.out = _Readout(self.block.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = x + torch.tanh(self.block(x))
+        return self.out(x) + self.out(x)
+
+
+def test_visit_table_counts_calls_of_a_module_holding_the_sublayers_weight_outside_visits():
+    torch.manual_seed(0)
+    model = _TiedReadout()
+    table = lp.attach(model, sublayers=["block"]).visit_table(torch.randn(2, 4))
+    row = table.set_index("sublayer").loc["block"]
+    assert row["visits"] == 3
+    assert row["outside_calls"] == 2  # the readout, twice: the per-visit offsets miss it

@@ -55,7 +55,7 @@ from loopprobe._stats import cosine_matrix
 from loopprobe.distributed import scope
 from loopprobe.record.increments import Collector, IncrementFn, caller_rng, refuse_routing
 from loopprobe.record.probe import Probe
-from loopprobe.record.types import Forward, Visit, VisitRecord
+from loopprobe.record.types import Forward, Visit, VisitRecord, visit_row
 
 if TYPE_CHECKING:  # plotting is imported on call (.heatmap, .plot): import stays light
     from matplotlib.figure import Figure
@@ -152,12 +152,8 @@ class Increments(Trust):
         for k, v in enumerate(self.visits):
             g = self.group_of[k]
             rows.append(
-                {
-                    "i": v.i,
-                    "sublayer": v.sublayer,
-                    "j": v.j,
-                    "r": v.r,
-                    "module": v.module,
+                visit_row(v)
+                | {
                     "group": self.groups[g],
                     "k": pos[g],
                     "measured": self.measured.get(v.sublayer, ""),

@@ -68,6 +68,7 @@ reported; a shared block next to per-layer adapters (Zamba) is, and is intended 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -412,16 +413,21 @@ def partial_ties(model: nn.Module) -> list[tuple[str, str, list[str], list[str]]
         params = {pn: id(p) for pn, p in m.named_parameters(remove_duplicate=False)}
         if params:
             owners.append((name, type(m), params, set(params.values())))
+    holders: dict[int, list[int]] = {}  # parameter id -> the owners holding it
+    for x, (_, _, _, ids) in enumerate(owners):
+        for i in ids:
+            holders.setdefault(i, []).append(x)
+    pairs = {(x, y) for xs in holders.values() for k, x in enumerate(xs) for y in xs[k + 1 :]}
     out = []
-    for x, (na, ca, pa, ia) in enumerate(owners):
-        for nb, cb, pb, ib in owners[x + 1 :]:
-            if ca is not cb or ia == ib or not ia & ib or nb.startswith(na + "."):
-                continue
-            shared = [pn for pn, i in pb.items() if i in ia]
-            rest = [pn for pn, i in pa.items() if i not in ib]
-            rest += [pn for pn, i in pb.items() if i not in ia and pn not in rest]
-            if not _only_norms(model.get_submodule(na), model.get_submodule(nb), rest):
-                out.append((na, nb, shared, rest))
+    for x, y in sorted(pairs):  # only owners that share a parameter can be partly tied
+        (na, ca, pa, ia), (nb, cb, pb, ib) = owners[x], owners[y]
+        if ca is not cb or ia == ib or nb.startswith(na + "."):
+            continue
+        shared = [pn for pn, i in pb.items() if i in ia]
+        rest = [pn for pn, i in pa.items() if i not in ib]
+        rest += [pn for pn, i in pb.items() if i not in ia and pn not in rest]
+        if not _only_norms(model.get_submodule(na), model.get_submodule(nb), rest):
+            out.append((na, nb, shared, rest))
     out.sort(key=lambda t: -t[0].count("."))  # stable: call order within a depth
     return out
 
@@ -477,6 +483,13 @@ def match(pattern: str, name: str) -> bool:
     return rec(0, 0)
 
 
+@functools.lru_cache(maxsize=256)
+def matches(pattern: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``names`` that :func:`match` ``pattern``, in order (cached: a pure function of
+    strings; a report attaches to a hundred models with the same module names)."""
+    return tuple(n for n in names if match(pattern, n))
+
+
 def is_glob(pattern: str) -> bool:
     return bool(re.search(r"[*?\[]", pattern))
 
@@ -484,9 +497,10 @@ def is_glob(pattern: str) -> bool:
 def groups_from_names(model: nn.Module, names: Sequence[str], call: str) -> list[list[str]]:
     """Module names matched by ``names`` (names or dotted globs), grouped by parameter set."""
     all_modules = dict(model.named_modules())
+    module_names = tuple(all_modules)
     picked: list[str] = []
     for pat in names:
-        hits = [n for n in all_modules if match(pat, n)]
+        hits = list(matches(pat, module_names))
         if not is_glob(pat) and pat not in all_modules:
             raise ValueError(
                 f"{call}: sublayer {pat!r} is not a module of {type(model).__name__}; "

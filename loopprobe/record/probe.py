@@ -57,8 +57,8 @@ import torch
 from torch import nn
 
 from loopprobe.distributed import Ranks, unwrap
-from loopprobe.record import discover
-from loopprobe.record.session import Group, device_of, restored, session
+from loopprobe.record import discover, discover_cache
+from loopprobe.record.session import Group, device_of, owners_of, restored, session
 from loopprobe.record.types import (
     Forward,
     Output,
@@ -190,14 +190,19 @@ class Probe:
 
             return go
 
-        with restored(self.model), grads_kept(self.model):
-            try:  # no_grad first: no graph is kept, the cheapest forward
-                calls = discover.record_calls(owners, run(False))
-            except Exception:  # noqa: BLE001 - retried in grad mode; a real error raises again
-                # A forward that needs grad mode (x.register_hook, torch.autograd.grad or
-                # requires_grad_() inside it) runs as the measured calls will run it.
-                calls = discover.record_calls(owners, run(True))
-        found = discover.find_sublayers(calls)
+        cache_key = discover_cache.key(self.model, inputs, forward, seed)
+        found = discover_cache.lookup(self.model, cache_key)
+        if found is None:
+            with restored(self.model), grads_kept(self.model):
+                try:  # no_grad first: no graph is kept, the cheapest forward
+                    calls = discover.record_calls(owners, run(False))
+                except Exception:  # noqa: BLE001 - retried in grad mode; a real error raises
+                    # A forward that needs grad mode (x.register_hook, torch.autograd.grad or
+                    # requires_grad_() inside it) runs as the measured calls will run it.
+                    calls = discover.record_calls(owners, run(True))
+            found = discover.find_sublayers(calls)
+            if found and all(c.reads is not None for c in calls):  # tracked: safe to keep
+                discover_cache.store(self.model, cache_key, found)
         if not found:
             called = [n for n in owners if any(c.name == n for c in calls)]
             raise ValueError(
@@ -279,10 +284,7 @@ class Probe:
         its output; ``transforms=False``: plain autograd only, see ``session``)."""
         groups = self._ensure_groups(None, None, call)
         if self._owners is None:
-            names = {id(m): n for n, m in self.model.named_modules()}
-            self._owners = [
-                [(o, names.get(id(o), "?")) for o in g.owners(self.model)] for g in groups
-            ]
+            self._owners = owners_of(self.model, groups)
         return self._counted(
             session(
                 self.model, groups, self._owners, enter, leave, call=call, transforms=transforms

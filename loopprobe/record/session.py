@@ -49,17 +49,25 @@ class Group:
             for owner, pname, k in locs
         )
 
-    def owners(self, model: nn.Module) -> list[nn.Module]:
-        """Every module in ``model`` that directly holds one of this group's parameters."""
-        ids = {id(p) for p in self.params}
-        return [
-            m
-            for m in model.modules()
-            if any(p is not None and id(p) in ids for p in m._parameters.values())
-        ]
-
     def renumbered(self, j: int) -> Group:
         return replace(self, sublayer=replace(self.sublayer, index=j))
+
+
+def owners_of(model: nn.Module, groups: Sequence[Group]) -> list[list[tuple[nn.Module, str]]]:
+    """Per group, every module of ``model`` (with its name) that directly holds one of the
+    group's parameters, in module order: one pass over the modules for all groups."""
+    where: dict[int, list[int]] = {}
+    for j, g in enumerate(groups):
+        for p in g.params:
+            js = where.setdefault(id(p), [])
+            if j not in js:
+                js.append(j)
+    out: list[list[tuple[nn.Module, str]]] = [[] for _ in groups]
+    for name, m in model.named_modules():
+        hit = {j for p in m._parameters.values() if p is not None for j in where.get(id(p), ())}
+        for j in sorted(hit):
+            out[j].append((m, name))
+    return out
 
 
 @contextmanager

@@ -88,18 +88,14 @@ class Recording:
         rows = []
         for v in self.visits:
             out = v.output if isinstance(v.output, torch.Tensor) else None
-            rows.append(
-                {
-                    "i": v.i,
-                    "sublayer": v.sublayer,
-                    "j": v.j,
-                    "r": v.r,
-                    "module": v.module,
-                    "grad_enabled": v.grad_enabled,
-                    "output_norm": float(out.norm()) if out is not None else float("nan"),
-                }
-            )
+            norm = float(out.norm()) if out is not None else float("nan")
+            rows.append(visit_row(v) | {"grad_enabled": v.grad_enabled, "output_norm": norm})
         return pd.DataFrame(rows)
+
+
+def visit_row(v: Visit | VisitRecord) -> dict[str, Any]:
+    """The columns that name a visit in every per-visit frame: i, sublayer, j, r, module."""
+    return {"i": v.i, "sublayer": v.sublayer, "j": v.j, "r": v.r, "module": v.module}
 
 
 def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) -> Any:
