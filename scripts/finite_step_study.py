@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -80,17 +81,23 @@ def main() -> None:
     ap.add_argument("--analyze", action="store_true", help="only the analysis, from --out")
     a = ap.parse_args()
     if a.analyze:
-        return analyze(pd.read_csv(a.out), 2000, a.fig)
+        return analyze(pd.read_csv(a.out), 2000, a.fig, verdicts_path(a.out))
     torch.set_num_threads(1)
     seeds, steps, inputs, nboot = ((0,), 60, 64, 200) if a.quick else ((0, 1, 2), 600, 512, 2000)
     grid = [{"seed": s, "steps": steps, "inputs": inputs, "seq_len": 16} for s in seeds]
     df = sweep(grid, run, cache_dir=a.cache, name="finite_step_study", version=1)
     df.to_csv(a.out, index=False, float_format="%.6g")
-    analyze(pd.read_csv(a.out), nboot, a.fig)  # from the file, so --analyze reproduces it
+    analyze(pd.read_csv(a.out), nboot, a.fig, verdicts_path(a.out))  # as --analyze does
 
 
-def analyze(df: pd.DataFrame, nboot: int, fig: str) -> None:
-    """The pre-registered verdicts (4 -> 5 pooled, paired bootstrap), per transition, figure."""
+def verdicts_path(out: str) -> str:
+    """The verdicts sit next to the cells (the report reads them: its bootstrap is slow)."""
+    return os.path.join(os.path.dirname(out), "finite_step_verdicts.csv")
+
+
+def analyze(df: pd.DataFrame, nboot: int, fig: str, verdicts: str) -> None:
+    """The pre-registered verdicts (4 -> 5 pooled, paired bootstrap; written to ``verdicts``),
+    per transition, figure."""
     prim = df[df.transition == "4->5"].reset_index(drop=True)
     boot = paired_bootstrap(prim, n=nboot, seed=20260904)
     res = {}
@@ -100,6 +107,9 @@ def analyze(df: pd.DataFrame, nboot: int, fig: str) -> None:
         if stat == "recovery_quarter" and int(prim.finite_step.sum()) < 20:
             v["verdict"] = "undecided (fewer than 20 finite-step failures)"
         res[name] = v
+    table = pd.DataFrame([{"criterion": k, **v} for k, v in res.items()])
+    table[["criterion", "estimate", "lo", "hi", "verdict"]].to_csv(verdicts, index=False,
+                                                                  float_format="%.6g")  # fmt: skip
     per_r = pd.DataFrame([{"transition": t, **summarize(g)} for t, g in df.groupby("transition")])
     print(per_r.to_string(index=False))
     print(json.dumps(res, indent=1))

@@ -1,4 +1,4 @@
-"""Section ``reproductions``: issue 17's training studies, judged from their cached CSVs.
+"""Section ``reproductions``: the training studies (issues 17 and 30), judged from their CSVs.
 
 The studies train hundreds of models (hours; ``scripts/lr_transfer_study.py``,
 ``scripts/reachability_study.py``); the report only reads their committed cells and applies
@@ -30,6 +30,7 @@ from loopprobe.experiments.reproductions import (
     study_summary,
 )
 from loopprobe.report.config import Context, Result, Skip
+from loopprobe.report.repro_studies import STUDIES, issue30_studies
 from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN, Verdict
 
 #: Where the cached cells live: the repository's docs/data (next to the package).
@@ -51,7 +52,8 @@ def reproductions_section(ctx: Context) -> Result:
     found = [r for r, spec in LR_RUNS.items() if (data / spec["cells"]).exists()]
     reach_path = data / "reachability_study.csv"
     study_path = data / STUDY_CELLS
-    if not found and not reach_path.exists() and not study_path.exists():
+    studies = [name for name, (csv, _) in STUDIES.items() if (data / csv).exists()]
+    if not found and not reach_path.exists() and not study_path.exists() and not studies:
         raise Skip(
             f"no cached study cells under {data} (run scripts/lr_transfer_study.py and "
             "scripts/reachability_study.py from a clone of the repository)"
@@ -124,6 +126,10 @@ def reproductions_section(ctx: Context) -> Result:
         notes.append(f"64-input reachability study: {len(runs)} runs, {cpu.sum():.1f} CPU-min "
                      f"(training {cpu['cpu_train_s']:.1f}, probe {cpu['cpu_probe_s']:.1f}); "
                      "design and criteria: docs/studies/reachability.md")  # fmt: skip
+    more_tables, more_verdicts, more_notes = issue30_studies(data)
+    tables += more_tables
+    verdicts += more_verdicts
+    notes += more_notes
     return Result(
         frames=frames,
         tables=tables,

@@ -1,0 +1,117 @@
+"""Issue 30's pre-registered training studies in the ``reproductions`` section.
+
+Each study's cells are committed under ``docs/data`` and its criteria are fixed in its page
+under ``docs/studies`` (committed before its results). This module applies the study's own
+analysis (:mod:`loopprobe.experiments.deeploop`, ``.lr_edge``, ``.flt``) to the cells and turns
+its verdicts into report verdicts. The finite-step study's 2,000-resample paired bootstrap
+takes half a minute, so its script writes the verdicts next to its cells
+(``finite_step_verdicts.csv``, from ``scripts/finite_step_study.py --analyze``) and the report
+reads them. A study whose CSV is missing is left out with a note.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pandas as pd
+
+from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN, Verdict
+
+MAPPING = {"holds": HOLDS, "fails": FAILS}
+
+
+def _verdict(study: str, claim: str, verdict: str, measured: str, page: str) -> Verdict:
+    """A study's holds / fails / undecided (a reason after "undecided" is kept as ``why``)."""
+    status = MAPPING.get(verdict.split(" ")[0], UNKNOWN)
+    why = "" if status is not UNKNOWN else verdict
+    return Verdict("reproductions", f"{study}: {claim}", status, measured,
+                   f"pre-stated in docs/studies/{page}", why)  # fmt: skip
+
+
+def deeploop(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
+    """DeepLoop vs post-norm and DeepNorm across R, and the p-sweep (issue 30.1)."""
+    from loopprobe.experiments import deeploop as dl
+
+    cells = pd.read_csv(path)
+    table = dl.comparisons(cells)
+    show = table[["baseline", "R", "n", "diff", "ci_low", "ci_high", "criterion", "verdict"]]
+    sweep = dl.p_sweep(cells)
+    boundary = dl.p_boundary(sweep)
+    out = [
+        _verdict(
+            "DeepLoop",
+            f"vs {b}: neutral at R = 1, better at R > 1",
+            *dl.claim(table, b),
+            "deeploop.md",
+        )  # fmt: skip
+        for b in ("post", "deepnorm")
+    ]
+    out.append(_verdict("DeepLoop", "p-sweep: stability boundary near p = 1/2",
+                        boundary["verdict"], boundary["reason"], "deeploop.md"))  # fmt: skip
+    cpu = cells.drop_duplicates(["arm", "p", "R", "seed"])["cpu_s"].sum() / 60
+    tables = [("DeepLoop − baseline, final held-out loss (paired, 95 % t)", show),
+              ("DeepLoop p-sweep at R = 3 (escaped the unigram floor)", sweep)]  # fmt: skip
+    return tables, out, [f"DeepLoop study: {cells.seed.nunique()} seeds, {cpu:.1f} CPU-min"]
+
+
+def lr_edge(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
+    """The edge learning rate against N under 1/sqrt(N) and 1/N (issue 30.2)."""
+    from loopprobe.experiments import lr_edge as le
+
+    cells = pd.read_csv(path)
+    e = le.edges(cells)
+    s = le.slopes(e)
+    v, why = le.verdict(e, s)
+    tables = [("LR edge: slope of log2 η_edge on log2 N (95 % t over seeds)", s)]
+    return (
+        tables,
+        [_verdict("LR edge", "slope −½ under 1/√N, 0 under 1/N", v, why, "lr_edge.md")],
+        [f"LR-edge study: {cells.seed.nunique()} seeds"],
+    )
+
+
+def finite_step(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
+    """Finite-step failures and the quarter step (issue 30.4), verdicts from the script."""
+    v = pd.read_csv(path)
+    out = [_verdict("finite step", r["criterion"], r["verdict"],
+                    f"{r['estimate']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]", "finite_step.md")
+           for r in v.to_dict("records")]  # fmt: skip
+    return [("Finite-step failures, transition 4 → 5 (paired bootstrap)", v)], out, []
+
+
+def flt(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
+    """LT vs the Fully Looped Transformer at 12 loops, and the instability signals (30.5)."""
+    from loopprobe.experiments import flt as fl
+
+    cells = pd.read_csv(path)
+    claim = fl.avoids_claim(cells)
+    out = [_verdict("FLT", "avoids the looped transformer's collapse", claim["verdict"],
+                    claim["reason"], "flt.md")]  # fmt: skip
+    for s in fl.PRIMARY:
+        w = fl.warns(cells, s)
+        out.append(_verdict("FLT", f"{s} fires before collapse", w["verdict"], w["reason"],
+                            "flt.md"))  # fmt: skip
+    return [], out, []
+
+
+#: study -> (its cells under docs/data, the function that judges them)
+STUDIES = {
+    "deeploop": ("deeploop_study.csv", deeploop),
+    "lr_edge": ("lr_edge_study.csv", lr_edge),
+    "finite_step": ("finite_step_verdicts.csv", finite_step),
+    "flt": ("flt_study.csv", flt),
+}
+
+
+def issue30_studies(data: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
+    """Tables, verdicts and notes of every study whose cells are under ``data``."""
+    tables, verdicts, notes = [], [], []
+    for name, (csv, judge) in STUDIES.items():
+        if not (data / csv).exists():
+            notes.append(f"{name} study: no {csv} under {data}, not judged")
+            continue
+        t, v, n = judge(data / csv)
+        tables += t
+        verdicts += v
+        notes += n
+    return tables, verdicts, notes

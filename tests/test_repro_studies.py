@@ -1,0 +1,68 @@
+"""Issue 30's studies in the report's ``reproductions`` section: each study's own verdicts,
+from its committed cells (and from planted cells, to see a verdict flip)."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import replace
+
+import pandas as pd
+import test_deeploop_study as planted
+
+from loopprobe import report
+from loopprobe.experiments import deeploop as dl
+from loopprobe.report.config import Context
+from loopprobe.report.repro_studies import issue30_studies
+from loopprobe.report.sections_repro import reproductions_section
+from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN
+
+DATA = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data"
+
+
+def _by_claim(verdicts) -> dict:
+    return {v.claim: v for v in verdicts}
+
+
+def test_the_committed_deeploop_and_finite_step_cells_give_the_pages_verdicts():
+    _, verdicts, notes = issue30_studies(DATA)
+    v = _by_claim(verdicts)
+    post = v["DeepLoop: vs post: neutral at R = 1, better at R > 1"]
+    assert post.verdict == FAILS and "R=1 neutral fails" in post.measured  # docs/studies page
+    assert "R=3 improves holds" in post.measured and "R=7 improves holds" in post.measured
+    assert v["DeepLoop: p-sweep: stability boundary near p = 1/2"].verdict == FAILS
+    assert v["finite step: H3 Spearman(A+Q, dU) >= 0.99"].verdict == FAILS
+    h1 = v["finite step: H1 quarter step recovers >= 72%"]
+    assert h1.verdict == UNKNOWN and h1.why == "undecided" and "0.778" in h1.measured
+    assert any(n.startswith("DeepLoop study: 12 seeds") for n in notes)
+    flt = [c for c in v if c.startswith("FLT: ")]
+    assert "FLT: avoids the looped transformer's collapse" in flt and len(flt) == 3
+
+
+def test_planted_deeploop_gains_flip_the_report_verdict_to_holds(tmp_path):
+    cells = planted.improving(gain=0.05)
+    cells.to_csv(tmp_path / "deeploop_study.csv", index=False)
+    _, verdicts, notes = issue30_studies(tmp_path)
+    v = _by_claim(verdicts)
+    assert v["DeepLoop: vs post: neutral at R = 1, better at R > 1"].verdict == HOLDS
+    assert v["DeepLoop: vs deepnorm: neutral at R = 1, better at R > 1"].verdict == HOLDS
+    boundary = v["DeepLoop: p-sweep: stability boundary near p = 1/2"]
+    assert boundary.verdict == UNKNOWN and boundary.why.startswith("undecided")  # no sweep cells
+    assert sum("not judged" in n for n in notes) == 3  # the other studies have no CSV here
+    harm = planted.cells({("post", 3): -0.05, ("post", 7): -0.05})  # deeploop worse at R > 1
+    harm.to_csv(tmp_path / "deeploop_study.csv", index=False)
+    claim = _by_claim(issue30_studies(tmp_path)[1])
+    assert claim["DeepLoop: vs post: neutral at R = 1, better at R > 1"].verdict == FAILS
+    assert dl.claim(dl.comparisons(harm), "post")[0] == "fails"
+
+
+def test_the_section_runs_on_study_cells_alone_and_lists_their_verdicts(tmp_path):
+    planted.improving().to_csv(tmp_path / "deeploop_study.csv", index=False)
+    pd.DataFrame(
+        [{"criterion": "H2 sign(A+Q) accuracy >= 97%", "estimate": 0.99, "lo": 0.98, "hi": 1.0,
+          "verdict": "holds"}]
+    ).to_csv(tmp_path / "finite_step_verdicts.csv", index=False)  # fmt: skip
+    cfg = replace(report.ReportConfig.quick(), repro_data=str(tmp_path))
+    res = reproductions_section(Context(cfg=cfg))
+    seen = {v["claim"]: v["verdict"] for v in res.values["verdicts"]}
+    assert seen["finite step: H2 sign(A+Q) accuracy >= 97%"] == HOLDS
+    assert seen["DeepLoop: vs post: neutral at R = 1, better at R > 1"] == HOLDS
