@@ -8,12 +8,12 @@ subprocess per case measures one training step (forward + backward + AdamW, the 
 and prints its operator products (Lanczos iterations summed over the visit and tied
 operators) and the iterations of each operator.
 
-Cases: ``before`` is the tree at ``--base`` (a ``git worktree`` of the commit before
-issue 29), where ``tol`` is Lanczos's relative residual: ``before 1e-6`` is its default
-(kappa's error not bounded), ``before 1e-2`` the loose residual of the issue. ``after``
-is this tree, where ``tol`` bounds kappa's error (``kappa_err`` is printed): ``after
-1e-6`` (the CLI/report default in float64; in float32 kappa's default is 1e-4 and 1e-6 may
-not be reachable, see ``converged``) and ``after 1e-2`` (a training monitor's).
+Cases: ``before`` is the tree at ``--base`` (a ``git worktree`` of an earlier commit; at
+fec01d3, before issue 29, ``tol`` was Lanczos's relative residual, since 7d5b794 it bounds
+kappa's error), ``after`` this tree, where ``tol`` bounds kappa's error (``kappa_err`` is
+printed). ``--tols``: 1e-6 (the CLI/report default in float64; in float32 the default is
+1e-3 and 1e-6 is below the roundoff floor, see ``converged``), 1e-2 (a training
+monitor's).
 
     git worktree add /tmp/perf_base <commit>        # the "before" tree
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_cost.py --d 64 --R 4
@@ -76,16 +76,18 @@ def main() -> None:
     ap.add_argument("--R", default="4", help="R values, comma-separated")
     ap.add_argument("--base", default="/tmp/perf_base", help="the 'before' tree")
     ap.add_argument("--max-iter", type=int, default=100)
+    ap.add_argument("--tols", default="1e-6,1e-2", help="kappa's error bounds, comma-separated")
+    ap.add_argument("--cases", default="before,after", help="which trees: before, after")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    trees = [("before", args.base), ("after", ROOT)]
+    trees = [t for t in [("before", args.base), ("after", ROOT)] if t[0] in args.cases]
     print(f"{'d':>4} {'R':>3} {'case':>12} {'steps':>7} {'products':>8} {'kappa':>9} "
           f"{'kappa_err':>9} conv  iterations per operator (visits, then tied)")  # fmt: skip
     rows = []
     for d in map(int, args.d.split(",")):
         for R in map(int, args.R.split(",")):
             for label, tree in trees:
-                for tol in (1e-6, 1e-2):
+                for tol in map(float, args.tols.split(",")):
                     r = case(tree, d, R, tol, args.max_iter)
                     r.update(d=d, R=R, case=f"{label} {tol:g}", steps=r["cpu"] / r["step"])
                     rows.append(r)

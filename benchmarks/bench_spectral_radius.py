@@ -7,6 +7,13 @@ library runs ARPACK on a ``LinearOperator`` of JVPs (``lp.spectral_radius``).
 Targets (issue 5): >= 20x faster, relative error <= 1e-4. Not a test.
 
     .venv/bin/python benchmarks/bench_spectral_radius.py [--seq-len 64 --d-model 64 --threads 1]
+    .venv/bin/python benchmarks/bench_spectral_radius.py --sizes 8x16,16x32,16x64,64x64
+
+``--sizes`` (issue 29.5, CPU time of one thread, ``time.process_time``): at each size
+``seq x d`` the library's default (``method="auto"``: the dense Jacobian from batched JVPs
+up to ``DENSE_N`` entries, Arnoldi above), Arnoldi alone (``method="arnoldi"``, the only
+path before) and the dense twin (``jacrev`` + ``torch.linalg.eigvals``; skipped above
+``--dense-max``), with the relative error of each against the twin.
 
 On a shared machine one thread is the fair setting (two threads that wait on each other on a
 loaded box slow small JVPs down many times more than they speed up the dense eigvals).
@@ -30,8 +37,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--sizes", default="", help="seq x d list, e.g. 8x16,16x32 (CPU time)")
+    parser.add_argument("--dense-max", type=int, default=1024, help="largest n for the twin")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.sizes:
+        return sizes(args)
 
     cfg = GPTConfig(vocab_size=64, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                     K=1, R=8, recall="add", outer_norm=True)  # fmt: skip
@@ -64,6 +75,44 @@ def main() -> None:
 
     print(f"speed ratio dense / arnoldi = {t_dense / t_arnoldi:.1f}x (target >= 20x)")
     print(f"relative error = {abs(sr.value - rho) / rho:.2e} (target <= 1e-4)")
+
+
+def state(seq: int, d: int, seed: int = 0):
+    cfg = GPTConfig(vocab_size=64, seq_len=seq, d_model=d, n_heads=4, K=1, R=8,
+                    recall="add", outer_norm=True)  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    model = LoopedGPT(cfg, generator=g).double()
+    rm = lp.round_map(model, torch.randint(0, 64, (1, seq), generator=g))
+    return rm.T, lp.round_residuals(rm.T, rm.h0, cfg.R).h
+
+
+def sizes(args) -> None:
+    tiny = torch.randn(8, dtype=torch.float64)  # warm-up: JVP decompositions, vmap
+    for method in ("arnoldi", "dense"):
+        lp.spectral_radius(torch.tanh, tiny, k=2, method=method)
+    torch.linalg.eigvals(torch.func.jacrev(torch.tanh)(tiny))
+    print(f"{'n':>5} {'auto s':>7} {'method':>8} {'arnoldi s':>9} {'dense twin s':>12} "
+          f"{'auto/twin':>9} {'err auto':>8} {'err arnoldi':>11}")  # fmt: skip
+    for item in args.sizes.split(","):
+        seq, d = map(int, item.split("x"))
+        T, h = state(seq, d, args.seed)
+        n = h.numel()
+        t = time.process_time()
+        auto = lp.spectral_radius(T, h, k=args.k)
+        t_auto = time.process_time() - t
+        t = time.process_time()
+        arn = lp.spectral_radius(T, h, k=args.k, method="arnoldi")
+        t_arn = time.process_time() - t
+        rho, t_twin = float("nan"), float("nan")
+        if n <= args.dense_max:
+            t = time.process_time()
+            J = torch.func.jacrev(T)(h).reshape(n, n).detach()
+            rho = torch.linalg.eigvals(J).abs().max().item()
+            t_twin = time.process_time() - t
+        ref = rho if rho == rho else arn.value
+        print(f"{n:>5} {t_auto:7.2f} {auto.method:>8} {t_arn:9.2f} {t_twin:12.2f} "
+              f"{t_auto / t_twin:9.2f} {abs(auto.value - ref) / ref:8.1e} "
+              f"{abs(arn.value - ref) / ref:11.1e}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
@@ -112,13 +113,7 @@ def operator_norm(
 
     Example: ``operator_norm(lambda v: v @ A.T, lambda u: u @ A, torch.randn(1, n))``.
     """
-    if v0.dim() != 2:
-        raise ValueError(
-            f"operator_norm: v0 must have shape (batch, n), got {tuple(v0.shape)}; "
-            "use v0.unsqueeze(0) for a single operator"
-        )
-    if max_iter < 1:
-        raise ValueError(f"operator_norm: max_iter must be >= 1, got {max_iter}")
+    _check_start("operator_norm", v0, max_iter)
     rtol = residual_tol(v0.dtype) if rtol is None else rtol
     batch = v0.shape[0]
     tiny = torch.finfo(v0.dtype).tiny
@@ -205,12 +200,7 @@ def operator_norm_krylov(
     batch), their estimates and relative residuals; the operators it returns True for stop
     and count as converged (an exhausted Krylov space, an exact answer, stops too).
     """
-    if v0.dim() != 2:
-        raise ValueError(
-            f"operator_norm_krylov: v0 must have shape (batch, n), got {tuple(v0.shape)}"
-        )
-    if max_iter < 1:
-        raise ValueError(f"operator_norm_krylov: max_iter must be >= 1, got {max_iter}")
+    _check_start("operator_norm_krylov", v0, max_iter)
     if basis is not None and basis < 2:
         raise ValueError(
             f"operator_norm_krylov: basis={basis}; a restarted Lanczos needs at least 2 "
@@ -286,6 +276,16 @@ def operator_norm_krylov(
     ]
 
 
+def _check_start(call: str, v0: torch.Tensor, max_iter: int) -> None:
+    if v0.dim() != 2:
+        raise ValueError(
+            f"{call}: v0 must have shape (batch, n), got {tuple(v0.shape)}; "
+            "use v0.unsqueeze(0) for a single operator"
+        )
+    if max_iter < 1:
+        raise ValueError(f"{call}: max_iter must be >= 1, got {max_iter}")
+
+
 def _as_mask(m: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(m, dtype=torch.bool).cpu().reshape(-1)
 
@@ -310,3 +310,34 @@ def _ritz(
 def _normalize(v: torch.Tensor) -> torch.Tensor:
     norms = v.flatten(1).norm(dim=1).clamp_min(torch.finfo(v.dtype).tiny)
     return v / norms.view(-1, *[1] * (v.dim() - 1))
+
+
+def eig_residual(mv, lam: complex, v: np.ndarray) -> float:
+    """``||J v - lam v|| / (|lam| ||v||)`` for a complex v of a real operator J (``mv``: numpy
+    in and out; a complex v costs two products)."""
+    Jv = mv(v.real) + 1j * mv(v.imag) if np.iscomplexobj(v) else mv(v)
+    scale = max(abs(lam), np.finfo(float).tiny) * np.linalg.norm(v)
+    return float(np.linalg.norm(Jv - lam * v) / scale)
+
+
+def arnoldi_ritz(mv, v0: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ritz pairs of a ``steps``-step Arnoldi run on ``mv`` (numpy in and out) from ``v0``,
+    with full reorthogonalisation: exact when ``steps = n``, or on breakdown."""
+    n = len(v0)
+    V = np.zeros((n, steps + 1))
+    H = np.zeros((steps + 1, steps))
+    V[:, 0] = v0 / np.linalg.norm(v0)
+    m = steps
+    for j in range(steps):
+        w = mv(V[:, j])
+        for _ in range(2):  # twice: re-orthogonalisation keeps the basis orthonormal
+            c = V[:, : j + 1].T @ w
+            w = w - V[:, : j + 1] @ c
+            H[: j + 1, j] += c
+        H[j + 1, j] = np.linalg.norm(w)
+        if H[j + 1, j] <= 1e-14 * max(1.0, np.abs(H[: j + 1, j]).max()):
+            m = j + 1  # invariant subspace found: the spectrum restricted to it is exact
+            break
+        V[:, j + 1] = w / H[j + 1, j]
+    vals, y = np.linalg.eig(H[:m, :m])
+    return vals, V[:, :m] @ y

@@ -159,12 +159,14 @@ def test_round_map_of_a_reference_model_restores_its_modes_and_parameters():
 def test_spectral_radius_matches_eigvals_of_the_dense_jacobian(seed, d):
     T, x = tanh_round(d, seed, gain=1.5)
     h = torch.randn(d, generator=gen(seed + 1), dtype=f64)
-    sr = lp.spectral_radius(T, h, x=x, k=6)
     dense = torch.linalg.eigvals(dense_jacobian(lambda h: T(h, x), h)).abs()
-    assert sr.converged, sr.reason
-    assert sr.value == pytest.approx(dense.max().item(), rel=1e-4)
-    top = np.sort(dense.numpy())[::-1][: len(sr.eigenvalues)]
-    np.testing.assert_allclose(np.abs(sr.eigenvalues), top, rtol=1e-4)
+    for method in ("arnoldi", "dense"):  # auto takes "dense" at these sizes
+        sr = lp.spectral_radius(T, h, x=x, k=6, method=method)
+        assert sr.converged, sr.reason
+        assert sr.method == (method if method == "dense" or d >= 8 else "full-arnoldi")
+        assert sr.value == pytest.approx(dense.max().item(), rel=1e-4)
+        top = np.sort(dense.numpy())[::-1][: len(sr.eigenvalues)]
+        np.testing.assert_allclose(np.abs(sr.eigenvalues), top, rtol=1e-4)
 
 
 def test_spectral_radius_of_a_transformer_round_matches_the_dense_jacobian():
@@ -172,9 +174,27 @@ def test_spectral_radius_of_a_transformer_round_matches_the_dense_jacobian():
                     outer_norm=True)  # fmt: skip
     model = LoopedGPT(cfg, generator=gen(0)).double()
     rm = lp.round_map(model, torch.randint(0, 16, (1, 4), generator=gen(0)))
-    sr = lp.spectral_radius(rm.T, rm.h0, k=4)
     dense = torch.linalg.eigvals(dense_jacobian(rm.T, rm.h0)).abs().max().item()
-    assert sr.converged and sr.value == pytest.approx(dense, rel=1e-4)
+    for method in ("arnoldi", "dense", "auto"):
+        sr = lp.spectral_radius(rm.T, rm.h0, k=4, method=method)
+        assert sr.converged and sr.value == pytest.approx(dense, rel=1e-4)
+        assert sr.residuals.max() <= 1e-6  # each pair checked by fresh JVPs
+
+
+def test_auto_takes_the_dense_jacobian_up_to_its_crossover_only(monkeypatch):
+    from loopprobe.estimate import fixedpoint
+
+    n = 300  # more than one chunk of batched JVPs (256 columns each)
+    noise = torch.randn(n, n, generator=gen(3), dtype=f64) / n  # not symmetric
+    A = torch.diag(0.9 ** torch.arange(n, dtype=f64)) + noise
+    rho = torch.linalg.eigvals(A).abs().max().item()
+    for limit, method in ((n, "dense"), (n - 1, "arnoldi")):
+        monkeypatch.setattr(fixedpoint, "DENSE_N", limit)
+        sr = lp.spectral_radius(lambda h: A @ h, torch.ones(n, dtype=f64), k=3)
+        assert sr.method == method and sr.converged
+        assert sr.value == pytest.approx(rho, rel=1e-8)
+    with pytest.raises(ValueError, match="method='qr'"):
+        lp.spectral_radius(lambda h: A @ h, torch.ones(40, dtype=f64), method="qr")
 
 
 def test_spectral_radius_of_a_linear_loop_is_the_top_eigenvalue_of_its_transition():
@@ -197,7 +217,9 @@ def test_rotation_comes_back_right_or_unconverged_never_converged_and_wrong(k):
 
 def test_arpack_failure_is_reported_not_raised_with_an_uncertified_ritz_value():
     A = rotation(40, 0.9)
-    sr = lp.spectral_radius(lambda h: A @ h, torch.ones(40, dtype=f64), k=6, max_iter=1)
+    sr = lp.spectral_radius(
+        lambda h: A @ h, torch.ones(40, dtype=f64), k=6, max_iter=1, method="arnoldi"
+    )
     assert not sr.converged and sr.method == "arnoldi-ritz"
     assert sr.reason.startswith("ARPACK did not converge: 0 of 6")
     assert 0 < sr.value <= 0.9 + 1e-12  # Ritz values of a normal matrix lie in its field of values
@@ -205,8 +227,9 @@ def test_arpack_failure_is_reported_not_raised_with_an_uncertified_ritz_value():
 
 
 def test_a_nan_jacobian_is_reported_not_raised():
-    sr = lp.spectral_radius(torch.sqrt, torch.zeros(8, dtype=f64))
-    assert not sr.converged and "JVP of the step returned NaN/inf" in sr.reason
+    for method in ("arnoldi", "dense"):
+        sr = lp.spectral_radius(torch.sqrt, torch.zeros(8, dtype=f64), method=method)
+        assert not sr.converged and "JVP of the step returned NaN/inf" in sr.reason
 
 
 def test_spectral_radius_frame_has_one_row_per_eigenvalue():

@@ -9,6 +9,7 @@ from thirdparty_models import (
     DropoutLoopModel,
     ForLoopModel,
     HaltingModel,
+    MLPBlock,
     SharedBlockModel,
     TruncatedModel,
     make,
@@ -256,3 +257,39 @@ def test_a_start_from_another_model_or_of_the_wrong_kind_is_refused():
     other = sensitivity_norms(lp.attach(make(AlbertModel, R=2)), randn(3, 6), max_iter=5)
     with pytest.raises(ValueError, match="start= vectors have length"):
         sensitivity_norms(probe, x, max_iter=5, start=other)
+
+
+class NoGradAfterVisit(nn.Module):
+    """A correction computed under ``no_grad`` after every visit: forward-mode tangents see
+    it, the backward graph does not, so the two halves of a U product disagree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = MLPBlock(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.block(x)
+            with torch.no_grad():
+                c = torch.tanh(x)
+            x = x + 0.5 * c
+        return x
+
+
+def test_products_by_reverse_over_reverse_match_forward_mode_and_keep_the_adjoint_check():
+    # issue 29.3: from the second product on U t is a backward of the backward; the first
+    # stays forward mode, so a no_grad region after a visit is still refused.
+    from loopprobe.differentiate.jacobian import VisitJacobian
+
+    model = make(ForLoopModel, K=2, R=3)
+    x = randn(3, 5)
+    probe = lp.attach(model)
+    visits = [v for v in probe.visits(x) if v.grad_visible]
+    jac = VisitJacobian(probe, x, visits)
+    masks = jac.masks([[0], [1, 3, 5], [2]])
+    V = randn(3, jac.n_max, seed=4)
+    first, second = jac.matvec(V, masks), jac.matvec(V, masks)
+    assert jac._jvp2  # the second product took the reverse route
+    torch.testing.assert_close(second, first, rtol=1e-12, atol=1e-14)
+    with pytest.raises(RuntimeError, match="JVP and VJP .* disagree"):
+        sensitivity_norms(lp.attach(make(NoGradAfterVisit)), randn(2, 4), max_iter=20)

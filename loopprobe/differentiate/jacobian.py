@@ -94,6 +94,8 @@ class VisitJacobian:
         self.refusal: str | None = None  # what torch.func refused, and where
         self._refused_fn: str | None = None
         self.problems: list[str] = []
+        self._jvp2: Any = None  # U t by reverse over reverse (:meth:`_reverse_jvp`)
+        self._forward_checked = False  # a forward-mode product has run
 
     def restricted(self, ks: Sequence[int]) -> VisitJacobian:
         """The same F with offsets at the selected visits ``ks`` only (the others compute
@@ -113,6 +115,7 @@ class VisitJacobian:
         sub.primals = tuple(self.primals[k] for k in ks)
         sub.shapes = [self.shapes[k] for k in ks]
         sub._vjp_fn, sub.F0 = None, None
+        sub._jvp2, sub._forward_checked = None, False
         sub._vjp_by_transforms()
         return sub
 
@@ -364,7 +367,34 @@ class VisitJacobian:
     def _matvec_by_transforms(self, V: torch.Tensor, masks: torch.Tensor, chunk_size: int | None):
         if chunk_size == 0:
             return torch.stack([self.jvp_one(v, m) for v, m in zip(V, masks, strict=True)])
+        if self._forward_checked and self._reverse_jvp() is not None:
+            try:
+                return vmap(self._jvp_by_vjp, randomness="same", chunk_size=chunk_size)(V, masks)
+            except (NotImplementedError, RuntimeError):  # an op without a double backward
+                self._jvp2 = False
+        self._forward_checked = True
         return vmap(self.jvp_one, randomness="same", chunk_size=chunk_size)(V, masks)
+
+    def _reverse_jvp(self) -> Any:
+        """``u -> U^T u``'s own VJP, built once from the VJP graph: ``U t`` as a backward
+        of the backward (issue 29.3). Forward-mode dual tensors cost 1.4-2x a VJP
+        (benchmarks/bench_jvp_modes.py: 0.68x the forward-mode product at d 64); this
+        reuses the one graph. It is used from the second product on: the first is forward
+        mode, so the adjointness check of every product (``<U^T U v, v> = ||U v||^2``) still
+        compares forward-mode tangents with the backward graph once per operator (a
+        ``no_grad`` region after a visit shows there). ``None`` where it cannot be built."""
+        if self._jvp2 is None:
+            assert self.F0 is not None
+            try:
+                with torch.no_grad():
+                    self._jvp2 = vjp(self.vjp_fn(), torch.zeros_like(self.F0))[1]
+            except (NotImplementedError, RuntimeError):
+                self._jvp2 = False
+        return self._jvp2 or None
+
+    def _jvp_by_vjp(self, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        tangents = tuple(self.unflatten(k, mask[k] * v[: self.n[k]]) for k in range(len(self.n)))
+        return self._jvp2(tangents)[0]
 
     def rmatvec(self, U: torch.Tensor, masks: torch.Tensor, chunk_size: int | None = None):
         """``U_b^T u_b`` for every operator b, reusing one VJP graph (``chunk_size=0``: a loop)."""

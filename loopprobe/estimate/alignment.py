@@ -72,8 +72,11 @@ def kappa_interval(
     kappa_j grows with the tied norm and falls with the largest visit norm, so the upper
     end takes the tied norm's upper end over the largest *lower* end of the visits and the
     lower end the reverse; G norms are exact up to roundoff (``ROUNDOFF_EPS * eps``). The
-    triangle inequality clips the interval to ``[0, R_j]``. With one visit kappa_j = 1
-    whatever its norm. Reference: seed 002, Eq. 12.
+    triangle inequality bounds the tied norm by the visits' too, ``||sum_r U_{r,j}|| <=
+    sum_r ||U_{r,j}|| <= sum_r hi_r``, and the smaller of the two upper ends is used: when
+    the visits are aligned (kappa_j near R_j) that end is tight, and the tied operator needs
+    only a lower end, which any Rayleigh quotient gives (issue 29.1). The interval is clipped
+    to ``[0, R_j]``. With one visit kappa_j = 1 whatever its norm. Reference: seed 002, Eq. 12.
     """
     R = len(U_visits)
     rho = ROUNDOFF_EPS * eps
@@ -81,8 +84,9 @@ def kappa_interval(
         return 1 - rho, 1 + rho
     g = G_tied / max(G_norms) if max(G_norms) > 0 else float("nan")
     lo_max, hi_max = max(lo for lo, _ in U_visits), max(hi for _, hi in U_visits)
+    top = min(U_tied[1], sum(hi for _, hi in U_visits))
     lo = U_tied[0] * g * (1 - rho) ** 2 / (R * hi_max) if hi_max > 0 else 0.0
-    hi = U_tied[1] * g * (1 + rho) ** 2 / (R * lo_max) if lo_max > 0 else float("inf")
+    hi = top * g * (1 + rho) ** 2 / (R * lo_max) if lo_max > 0 else float("inf")
     return max(lo, 0.0), min(hi, R * (1 + rho))
 
 
@@ -95,15 +99,21 @@ def kappa_stop(keys, visits, ups: Updates, tol: float, eps: float, each_visit: b
     """The stopping rule of :func:`visit_alignment` over the operators of
     :func:`~loopprobe.estimate.sensitivity.sensitivity_norms` (``keys``, ``visits``).
 
-    kappa_j's estimate is off from the top of its interval by ``kappa_up (1 - a_t / hi_t)``
-    (the tied norm ``a_t`` below its upper end ``hi_t``) and from the bottom by at most
+    kappa_j's estimate is off from the top of its interval by ``kappa_up (1 - a_t / top)``,
+    where ``a_t`` is the tied norm's estimate and ``top`` the smaller of its own upper end
+    and ``sum_r hi_r`` (:func:`kappa_interval`), and from the bottom by at most
     ``kappa_up (1 - lo_max / hi_r)`` for the visit r with the largest upper end, where
     ``kappa_up`` is the current upper end of kappa_j (or R_j) and ``lo_max`` the largest lower
     end of the visit norms (only grows). So the tied operator stops once its term is within
-    ``STOP_SHARE * tol``, and a visit once its own is: a visit far below the largest one
-    stops as soon as its upper end is below it (it cannot be the max). Every operator runs
-    at least until its interval is finite (residual ``TRUST_RESIDUAL``, 1e-2: each norm to
-    about 0.5 %), and none beyond the roundoff floor of its residual (1e-12 in float64, 1e-5
+    ``STOP_SHARE * tol`` (with aligned visits often after one product, ``sum_r hi_r`` being
+    tight), and a visit once its own term is; under ``warm_visits`` (the tied operator then
+    starts from its visits' top vectors, and ``sum_r hi_r`` is worth making tight) also its
+    width ``hi_r - lo_r`` must be within ``STOP_SHARE * tol * lo_max / (2 kappa_up)``. A
+    visit far below the largest one stops as soon as it cannot be the max (and, under
+    ``warm_visits``, its width is that small). ``rule.warm_visits`` is set by
+    :func:`~loopprobe.estimate.sensitivity.sensitivity_norms`. Every visit runs at least until its
+    interval is finite (residual ``TRUST_RESIDUAL``, 1e-2: each norm to about 0.5 %), and
+    no operator beyond the roundoff floor of its residual (1e-12 in float64, 1e-5
     otherwise). ``each_visit``: every visit norm also to relative error ``tol``.
     """
     tied_of = {key[1]: b for b, key in enumerate(keys) if key[0] == "tied"}
@@ -129,16 +139,18 @@ def kappa_stop(keys, visits, ups: Updates, tol: float, eps: float, each_visit: b
                 t = tied_of[j]
                 up = min(len(bs), kappa_interval(bounds[t], vis, *G[j], eps)[1])
                 lo_max = max(lo for lo, _ in vis)
-                a_t, hi_t = float(sigma[t]), bounds[t][1]
-                may[t] = a_t == a_t and up * (1 - a_t / hi_t) <= budget if hi_t > 0 else True
-                for b, (_, hi) in zip(bs, vis, strict=True):
-                    may[b] = lo_max > 0 and up * (1 - lo_max / hi) <= budget
+                a_t, top = float(sigma[t]), min(bounds[t][1], sum(hi for _, hi in vis))
+                may[t] = a_t == a_t and up * (1 - a_t / top) <= budget if top > 0 else True
+                for b, (lo, hi) in zip(bs, vis, strict=True):
+                    tight = not rule.warm_visits or (hi - lo) * 2 * up <= budget * lo_max
+                    may[b] = lo_max > 0 and up * (1 - lo_max / hi) <= budget and tight
             if each_visit:
                 for b in bs:
                     a, hi = float(sigma[b]), bounds[b][1]
                     may[b] &= bool(a == a and hi <= a * (1 + tol))
         return may[ops] | (res[ops] <= floor)
 
+    rule.warm_visits = True  # type: ignore[attr-defined]  # set by sensitivity_norms
     return rule
 
 
@@ -206,6 +218,7 @@ def visit_alignment(
     memory: str = "full",
     start: Any = None,
     each_visit: bool = False,
+    warm_visits: bool | None = None,
 ) -> AlignmentReport:
     """kappa_j per sublayer and kappa_R = max_j, from G (one backward) and U (power iteration).
 
@@ -228,7 +241,9 @@ def visit_alignment(
     ``tol``). ``kappa_err`` (the report's, and a column per sublayer with ``kappa_lo``,
     ``kappa_hi``) is the bound met; above ``tol`` the report is not converged. The bound
     assumes, like every Krylov estimate, that the start vectors overlap the top singular
-    vectors. A training monitor affords ``tol=1e-2`` (3-4x fewer products).
+    vectors. A training monitor affords ``tol=1e-2`` (3-4x fewer products). ``warm_visits``:
+    as in :func:`sensitivity_norms` (each visit from its sublayer's previous one, the tied
+    operator from its visits).
     Reference: seed 002, Eq. 12.
     """
     loss_fn = default_loss(loss_fn, "visit_alignment")
@@ -261,6 +276,7 @@ def visit_alignment(
         seed=seed,
         chunk_size=chunk_size,
         start=start,
+        warm_visits=warm_visits,
         stop=kappa_stop(keys, visible, ups, tol, eps, each_visit),
     )
     if sens.keys and sens.keys != keys:

@@ -40,10 +40,11 @@ from loopprobe.differentiate.roundmap import (
     check_state,
     linearize,
     numpy_op,
+    quiet,
     rel,
     state_norm,
 )
-from loopprobe.linalg import Estimate, operator_norm
+from loopprobe.linalg import Estimate, arnoldi_ritz, eig_residual, operator_norm
 
 # ------------------------------------------------------------------------- reachability
 
@@ -303,6 +304,7 @@ def spectral_radius(
     max_iter: int | None = None,
     check_tol: float | None = None,
     generator: torch.Generator | None = None,
+    method: str = "auto",
 ) -> SpectralRadius:
     """Spectral radius and top-``k`` eigenvalues of ``dT/dh`` at ``h``, by Arnoldi on JVPs.
 
@@ -317,7 +319,13 @@ def spectral_radius(
     defective top eigenvalues, as in causal rounds whose Jacobian is block-triangular over
     tokens), ``value`` is the largest Ritz value of a 60-step Arnoldi run, uncertified.
     For a state with fewer than ``k + 2`` entries (too small for ARPACK) a full Arnoldi
-    run is exact. Reference: docs/definitions.md §4 (geometry).
+    run is exact. ``method``: ``"arnoldi"`` (above), ``"dense"`` (the one exception to
+    "never a dense Jacobian": ``J`` from ``n`` VJPs of one forward batched with
+    ``torch.vmap``, all its eigenvalues by ``numpy.linalg.eig``; the top ``k`` pairs are
+    checked as above by fresh JVPs, in one batch), or ``"auto"`` (the default): dense for
+    a state of at most ``DENSE_N`` (768) entries, where it is faster, else Arnoldi
+    (benchmarks/bench_spectral_radius.py --sizes). The result's ``method`` says which ran.
+    Reference: docs/definitions.md §4 (geometry).
     """
     from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigs
 
@@ -331,16 +339,22 @@ def spectral_radius(
     check_tol = (1e-6 if f64 else 1e-3) if check_tol is None else check_tol
     gen = torch.Generator().manual_seed(0) if generator is None else generator
     n = h.numel()
-    Th, jvp = linearize(T, h)
+    if method not in ("auto", "arnoldi", "dense"):
+        raise ValueError(f"{call}: method={method!r}; choose 'auto', 'arnoldi' or 'dense'")
+    if method == "auto":
+        method = "dense" if n <= DENSE_N else "arnoldi"
+    Th, jvp = linearize(T, h, trace=method != "dense")
     check_same(call, h, Th)
     calls = [0]
     mv = numpy_op(jvp, h.shape, h, "JVP of the step", calls)
     v0 = torch.randn(n, generator=gen, dtype=torch.float64, device=gen.device).cpu().numpy()
-    converged, reason, method = True, "", "arnoldi"
+    converged, reason = True, ""
     try:
-        if n < k + 2:
+        if method == "dense":
+            vals, vecs = _dense_eig(T, h, calls)
+        elif n < k + 2:
             method = "full-arnoldi"
-            vals, vecs = _arnoldi(mv, v0, n)
+            vals, vecs = arnoldi_ritz(mv, v0, n)
         else:
             op = LinearOperator((n, n), matvec=mv, dtype=np.float64)
             vals, vecs = eigs(op, k=max(k, 2), which="LM", v0=v0, tol=tol, maxiter=max_iter)
@@ -350,7 +364,7 @@ def spectral_radius(
         reason = f"ARPACK did not converge: {len(vals)} of {max(k, 2)} eigenvalues ({err})"
         if len(vals) == 0:
             try:
-                vals, vecs = _arnoldi(mv, v0, min(n, 60))
+                vals, vecs = arnoldi_ritz(mv, v0, min(n, 60))
             except NonFinite as nonfinite:
                 return _failed_radius(calls[0], f"{reason}; {nonfinite}")
             method = "arnoldi-ritz"
@@ -362,7 +376,10 @@ def spectral_radius(
     order = np.argsort(-np.abs(vals), kind="stable")[:k]
     vals, vecs = vals[order], vecs[:, order]
     try:
-        res = np.array([_eig_residual(mv, lam, vecs[:, i]) for i, lam in enumerate(vals)])
+        if method == "dense":
+            res = _checked(jvp, h, vals, vecs, calls)
+        else:
+            res = np.array([eig_residual(mv, lam, vecs[:, i]) for i, lam in enumerate(vals)])
     except NonFinite as err:
         return _failed_radius(calls[0], f"{err} while checking the eigenpairs")
     if len(vals) == 0:
@@ -379,38 +396,46 @@ def spectral_radius(
     return SpectralRadius(value, vals, res, calls[0], converged, reason, method, worst)
 
 
+#: ``spectral_radius(method="auto")`` takes the dense Jacobian up to this state size.
+DENSE_N = 768
+
+
+def _dense_eig(T, h: torch.Tensor, calls: list[int], chunk: int = 256) -> tuple:
+    """Every eigenpair of ``J = dT/dh``, built row by row from batched VJPs of one forward."""
+    n = h.numel()
+    with quiet():
+        _, vjp = torch.func.vjp(T, h)
+        eye = torch.eye(n, dtype=h.dtype, device=h.device)
+        rows = [
+            torch.func.vmap(lambda e: vjp(e.view(h.shape))[0].reshape(-1))(eye[i : i + chunk])
+            for i in range(0, n, chunk)
+        ]
+    calls[0] += n
+    J = torch.cat(rows).detach()  # row i of the batch is J^T e_i, row i of J
+    if not bool(torch.isfinite(J).all()):
+        raise NonFinite("the JVP of the step returned NaN/inf")
+    return np.linalg.eig(J.to(torch.float64).cpu().numpy())
+
+
+def _checked(jvp, h: torch.Tensor, vals, vecs, calls: list[int]) -> np.ndarray:
+    """``||J v - lambda v|| / (|lambda| ||v||)`` of every pair from one batch of fresh JVPs
+    (real and imaginary parts), independent of the dense J the pairs came from."""
+    V = np.concatenate([vecs.real, vecs.imag], axis=1).T
+    X = torch.as_tensor(V, dtype=h.dtype, device=h.device).view(-1, *h.shape)
+    with quiet():
+        Y = torch.func.vmap(jvp)(X).detach().reshape(len(V), -1).double().cpu().numpy()
+    calls[0] += len(V)
+    if not np.isfinite(Y).all():
+        raise NonFinite("the JVP of the step returned NaN/inf")
+    k = vecs.shape[1]
+    Jv = (Y[:k] + 1j * Y[k:]).T
+    scale = np.maximum(np.abs(vals), np.finfo(float).tiny) * np.linalg.norm(vecs, axis=0)
+    return np.linalg.norm(Jv - vecs * vals, axis=0) / scale
+
+
 def _failed_radius(calls: int, reason: str) -> SpectralRadius:
     empty = np.zeros(0, dtype=complex)
     return SpectralRadius(math.nan, empty, np.zeros(0), calls, False, reason, "arnoldi")
-
-
-def _eig_residual(mv, lam: complex, v: np.ndarray) -> float:
-    """``||J v - lam v|| / (|lam| ||v||)`` for a complex v of the real operator J."""
-    Jv = mv(v.real) + 1j * mv(v.imag) if np.iscomplexobj(v) else mv(v)
-    scale = max(abs(lam), np.finfo(float).tiny) * np.linalg.norm(v)
-    return float(np.linalg.norm(Jv - lam * v) / scale)
-
-
-def _arnoldi(mv, v0: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Ritz pairs of a ``steps``-step Arnoldi run (exact when ``steps = n``, or on breakdown)."""
-    n = len(v0)
-    V = np.zeros((n, steps + 1))
-    H = np.zeros((steps + 1, steps))
-    V[:, 0] = v0 / np.linalg.norm(v0)
-    m = steps
-    for j in range(steps):
-        w = mv(V[:, j])
-        for _ in range(2):  # twice: re-orthogonalisation keeps the basis orthonormal
-            c = V[:, : j + 1].T @ w
-            w = w - V[:, : j + 1] @ c
-            H[: j + 1, j] += c
-        H[j + 1, j] = np.linalg.norm(w)
-        if H[j + 1, j] <= 1e-14 * max(1.0, np.abs(H[: j + 1, j]).max()):
-            m = j + 1  # invariant subspace found: the spectrum restricted to it is exact
-            break
-        V[:, j + 1] = w / H[j + 1, j]
-    vals, y = np.linalg.eig(H[:m, :m])
-    return vals, V[:, :m] @ y
 
 
 @transform_safe()

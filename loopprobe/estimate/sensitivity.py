@@ -33,9 +33,19 @@ import pandas as pd
 import torch
 
 from loopprobe._memory import auto_chunk_size
-from loopprobe.autodiff import is_half, lowest_precision
+from loopprobe.autodiff import lowest_precision
 from loopprobe.differentiate.jacobian import VisitJacobian
-from loopprobe.linalg import Estimate, StopRule, operator_norm, operator_norm_krylov
+from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: public here too
+    WARM_VISITS_N,
+    _estimate,
+    _phases,
+    _product_groups,
+    _start,
+    _warm_start,
+    default_tol,
+    precision_note,
+)
+from loopprobe.linalg import Estimate, StopRule
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Output, Visit
 
@@ -181,15 +191,16 @@ def sensitivity_norms(
     vector (after large changes, e.g. a loss spike, start cold).
     A tensor ``(operators, n_max)`` in the order of ``Sensitivity.keys`` is accepted too.
     ``warm_visits`` (without ``start``; default ``None``: when an operator has at least
-    ``WARM_VISITS_N`` parameters, where products outweigh the per-iteration overhead of
-    the second phase): the tied operators are estimated first
-    and every visit operator of sublayer j then starts from the top vector of
-    ``sum_r U_{r,j}`` (the visits of a sublayer read the output through nearly the same
-    direction) plus a random part of relative size ``VISIT_NOISE``. Measured on LoopedGPT
-    (benchmarks/bench_convergence.py --work): 17-18% fewer operator products at the
-    default tolerance, 41-49% fewer at ``tol=1e-4``; the second phase adds sequential
-    iterations: CPU time +83% at d_model 16 (n 2048), +15% at 32 (n 8192), -13% at 64
-    (n 32768), hence the default.
+    ``WARM_VISITS_N`` parameters): the visits are estimated from the last visit number r to
+    the first (with ``narrow`` these groups run one after another anyway) and each starts from
+    the top vector of its sublayer's visit estimated just before, then every tied operator
+    from the sum of its visits' top vectors (signs aligned), each plus a random part of
+    relative size ``VISIT_NOISE`` (the visits of a sublayer read the output through nearly the same
+    direction when they are aligned). With aligned visits the tied operator's first product
+    already gives a lower end that :func:`~loopprobe.estimate.alignment.kappa_interval`
+    pairs with ``sum_r ||U_r||`` (issue 29.1; measured in benchmarks/bench_kappa_cost.py).
+    Before issue 29 the order was the reverse (tied first, visits from it: 17-18% fewer
+    products than cold starts at the default tolerance, bench_convergence.py --work).
     ``stop`` (replaces ``tol``): a rule over all operators at once, for a quantity computed
     from several norms (:func:`~loopprobe.estimate.alignment.visit_alignment` stops each
     operator once kappa's error bound is met): ``stop(ops, sigma, residual)`` gets the
@@ -222,7 +233,11 @@ def sensitivity_norms(
     vectors = torch.empty_like(v0)
     if warm_visits is None:
         warm_visits = jac.n_max >= WARM_VISITS_N
-    first = _first_phase(visits, keys) if start is None and warm_visits else [*range(len(ops))]
+    if hasattr(stop, "warm_visits"):  # a rule that spends differently when it is on
+        stop.warm_visits = bool(warm_visits and start is None)  # type: ignore[union-attr]
+    phases = (
+        _phases(visits, keys, narrow) if start is None and warm_visits else [[*range(len(ops))]]
+    )
     group = len(ops)
     if method == "lanczos":
         group = lanczos_group(len(ops), jac.n_max, max_iter, jac.dtype)
@@ -243,15 +258,11 @@ def sensitivity_norms(
             del sub  # its VJP graph
         return [out[b] for b in rows]
 
-    ests = dict(zip(first, run(list(first)), strict=True))
-    rest = [b for b in range(len(ops)) if b not in ests]
-    if rest:  # every visit from its sublayer's tied top vector, plus a random part
-        tied_of = {key[1]: b for b, key in enumerate(keys) if key[0] == "tied"}
-        for b in rest:
-            top = vectors[tied_of[visits[b].j]]
-            v0[b] = top / top.norm().clamp_min(1e-300) + VISIT_NOISE * v0[b] / v0[b].norm()
-        ests.update(zip(rest, run(rest), strict=True))
-    ests = [ests[b] for b in range(len(ops))]
+    found: dict[int, Estimate] = {}
+    for phase in phases:  # each from the top vectors of the phases before it
+        _warm_start(phase, visits, keys, found, vectors, v0)
+        found.update(zip(phase, run(phase), strict=True))
+    ests = [found[b] for b in range(len(ops))]
     precision, certified = precision_note(jac.dtypes)
     if not certified:
         ests = [replace(e, converged=False) for e in ests]
@@ -386,212 +397,3 @@ def lanczos_group(operators: int, n: int, max_iter: int, dtype: torch.dtype) -> 
 
 def _basis_bytes(n: int, max_iter: int, dtype: torch.dtype) -> int:
     return max(1, max_iter * n * torch.finfo(dtype).bits // 8)
-
-
-def default_tol(dtype: torch.dtype, method: str = "power") -> float:
-    """The default stopping tolerance. Power iteration (relative change of the estimate):
-    1e-10 in float64. Lanczos (relative Ritz residual ``r / theta``): 1e-6 in float64, because
-    an eigenvalue of ``U^T U`` lies within ``r`` of the Ritz value ``theta``, so ``||U||^2``
-    is within 1e-6 and ``||U||`` within 5e-7 relative of the top value the Krylov space
-    holds (the actual error is about ``r^2 / gap``, far smaller: README, issue 18.2). Both
-    methods: 1e-5 in float32; half precision 1e-3, and its estimates are never reported
-    converged (see ``precision``)."""
-    if is_half(dtype):
-        return 1e-3
-    if dtype != torch.float64:
-        return 1e-5
-    return 1e-6 if method == "lanczos" else 1e-10
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _names(dtypes: set[torch.dtype]) -> str:
-    return ", ".join(sorted(_name(d) for d in dtypes)) or "none"
-
-
-def precision_note(dtypes: set[torch.dtype]) -> tuple[str, bool]:
-    """What the path computes in, and whether estimates can be certified in it."""
-    low = lowest_precision(dtypes)
-    text = _names(dtypes)
-    if len(dtypes) > 1:
-        text += f" (mixed: tolerances from {_name(low)})"
-    if is_half(low):
-        eps = torch.finfo(low).eps
-        return (
-            f"{text}; {_name(low)} roundoff (eps {eps:.1g}) is the precision floor: estimates "
-            "are not certified; cast the model to float32 or float64 to certify them",
-            False,
-        )
-    return text, True
-
-
-#: Relative size of the random part mixed into a visit's start from its tied operator's
-#: vector (``warm_visits``): a top direction the tied vector misses can still be found
-#: (measured under a Ritz-gap stopping rule: about one iteration more than none; not
-#: re-measured under the residual rule in use).
-VISIT_NOISE = 0.1
-#: ``warm_visits=None`` turns the two phases on from this operator size (parameters).
-WARM_VISITS_N = 16384
-
-
-def _first_phase(visits, keys) -> list[int]:
-    """The operators estimated first under ``warm_visits``: the tied ones, and the visits
-    of sublayers that have none (a single visit); the other visits start from them."""
-    tied = {key[1] for key in keys if key[0] == "tied"}
-    return [b for b, key in enumerate(keys) if key[0] == "tied" or visits[b].j not in tied]
-
-
-def _start(jac, ops, keys, gen, start, call) -> torch.Tensor:
-    """Start vectors ``(operators, n_max)``: random, or an earlier call's top vectors.
-
-    A warm start is the old vector as it is: any random part large enough to matter keeps
-    the Ritz residual above the tolerance for as many iterations as it takes to remove it
-    (with a part of 1e-5, a start at the exact answer took more than 3), so a top singular value
-    that moved to a direction orthogonal to the old vector is found only through the
-    drift and roundoff components, as the docstring of ``sensitivity_norms`` says."""
-    n_of = [jac.n[ks[0]] for ks in ops]
-    v0 = torch.randn(len(ops), jac.n_max, generator=gen, dtype=torch.float64, device=gen.device)
-    v0 = v0.to(jac.dtype).to(jac.device)
-    for b, n in enumerate(n_of):
-        v0[b, n:] = 0
-    if start is None:
-        return v0
-    old = _warm_vectors(start, keys, jac.n_max, call)
-    for b, key in enumerate(keys):
-        prev = old.get(key)
-        if prev is None or not bool(prev[: n_of[b]].any()):
-            continue
-        v0[b] = prev.to(jac.dtype).to(jac.device)
-    return v0
-
-
-def _warm_vectors(start, keys, n_max, call) -> dict:
-    start = getattr(start, "sensitivity", start)  # an AlignmentReport holds one
-    if isinstance(start, Sensitivity):
-        if start.vectors is None:
-            raise ValueError(
-                f"{call}: start= is a Sensitivity without vectors; pass the "
-                "result of a sensitivity_norms call (or start=None)"
-            )
-        old = start.start_vectors()
-    elif isinstance(start, torch.Tensor):
-        if start.dim() != 2 or start.shape[0] != len(keys):
-            raise ValueError(
-                f"{call}: start= has shape {tuple(start.shape)}; a tensor start needs one "
-                f"row per operator, ({len(keys)}, {n_max}), in the order of Sensitivity.keys"
-            )
-        old = dict(zip(keys, start, strict=True))
-    else:
-        raise TypeError(
-            f"{call}: start= is a {type(start).__name__}; pass an earlier Sensitivity, an "
-            "AlignmentReport, a tensor (operators, n_max), or None for a random start"
-        )
-    width = {v.shape[-1] for v in old.values()}
-    if width and width != {n_max}:
-        raise ValueError(
-            f"{call}: start= vectors have length {sorted(width)} but this model's operators "
-            f"need {n_max}: the start comes from another model; pass start=None"
-        )
-    return old
-
-
-def _product_groups(visits, ops, rows, narrow: bool) -> list[tuple[list[int], list[int]]]:
-    """The operators ``rows`` by the visits their products need: ``(ks, operators)``, where
-    ``ks`` are the visits that carry offsets. Tied operators need every visit; with
-    ``narrow`` the operators of the r-th visits of all sublayers share the visits ``(r, .)``
-    alone (their JVPs start at visit r, their VJPs end there), else every visit."""
-    every = list(range(len(visits)))
-    by: dict[Any, list[int]] = {}
-    for b in rows:
-        key = visits[ops[b][0]].r if narrow and len(ops[b]) == 1 else "all"
-        by.setdefault(key, []).append(b)
-    out = []
-    for key, part in by.items():
-        ks = every if key == "all" else sorted(ops[b][0] for b in part)
-        out.append((ks, part))
-    return out
-
-
-def _estimate(
-    jac,
-    masks,
-    v0,
-    vectors,
-    rows,
-    *,
-    method,
-    max_iter,
-    tol,
-    chunk_size,
-    call,
-    ranks=None,
-    basis=0,
-    stop=None,
-    state=None,
-) -> list[Estimate]:
-    """Estimates for the operators ``rows`` (their masks and start vectors given); their top
-    vectors land in ``vectors[rows]``. With ``ranks`` the operator is the global batch's: its
-    blocks ``U^{(q)}`` live on the ranks, the start vectors are identical on every rank,
-    ``U v`` carries one extra entry holding the other ranks' part of ``||U v||`` and
-    ``U^T u`` is summed over ranks, so the solver sees ``U^T U = sum_q U^{(q)T} U^{(q)}``."""
-    low = lowest_precision(jac.dtypes)
-    adj_tol = 1e-7 if low == torch.float64 else 1e-2 if not is_half(low) else 1e-1
-    last: dict[str, torch.Tensor] = {}
-    scale = torch.zeros(len(v0), dtype=v0.dtype, device=v0.device)
-
-    def matvec(v: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        last["v"], last["idx"] = v, idx
-        u = jac.matvec(v, masks[idx], chunk_size)
-        if ranks is None:
-            return u
-        mine = u.square().sum(1)
-        others = (ranks.sum(mine) - mine).clamp_min(0).sqrt()
-        return torch.cat([u, others[:, None]], 1)
-
-    def rmatvec(u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        w = jac.rmatvec(u if ranks is None else u[:, :-1], masks[idx], chunk_size)
-        w = w if ranks is None else ranks.sum(w)
-        # Adjointness <U^T U v, v> = ||U v||^2, up to roundoff on the scale of ||U||^2.
-        v = last["v"][torch.isin(last["idx"], idx)]  # the solver may have dropped rows
-        vv = v.square().sum(1).clamp_min(1e-300)
-        wv = (w * v).sum(1) / vv
-        uu = (u * u).sum(1) / vv
-        scale[idx] = torch.maximum(scale[idx], uu)
-        gap = (wv - uu).abs() / scale[idx].clamp_min(1e-300)
-        bad = gap > adj_tol
-        if bool(bad.any()):
-            b = rows[int(idx[int(bad.nonzero()[0])])]  # the operator number in the whole call
-            raise RuntimeError(
-                f"{call}: the JVP and VJP of operator {b} disagree: <U^T U v, v> = "
-                f"{float(wv[bad][0]):.10g} but ||U v||^2 = {float(uu[bad][0]):.10g}, a "
-                f"relative gap of {float(gap[bad][0]):.2g} > {adj_tol:g} (the tolerance for "
-                f"{_name(low)}, the lowest precision computed in: {_names(jac.dtypes)}). "
-                "Causes: forward-mode tangents pass where the backward graph does not (a "
-                "no_grad region or .data "
-                "use after a visit), randomness that torch's RNG does not control, or "
-                "roundoff of a dtype the model casts to internally; exclude that visit or make "
-                "the forward deterministic"
-            )
-        return w
-
-    rtol = default_tol(low, "lanczos")  # the residual certificate, for both methods
-    if tol is None:
-        tol = default_tol(low, method)
-    out = torch.empty_like(v0)
-    kw: dict[str, Any] = {"max_iter": max_iter, "out": out, "subset": True}
-    if stop is not None:
-        ops = torch.as_tensor(rows, dtype=torch.long)
-
-        def rule(idx: torch.Tensor, sigma: torch.Tensor, res: torch.Tensor) -> torch.Tensor:
-            state[0, ops[idx]], state[1, ops[idx]] = sigma.double(), res.double()
-            return stop(ops[idx], state[0], state[1])
-
-        kw["stop"] = rule
-    if method == "power":  # the residual bound at the Lanczos tolerance, or tol if looser
-        ests = operator_norm(matvec, rmatvec, v0, tol=tol, rtol=max(tol, rtol), **kw)
-    else:
-        ests = operator_norm_krylov(matvec, rmatvec, v0, tol=tol, basis=basis or None, **kw)
-    vectors[rows] = out
-    return ests
