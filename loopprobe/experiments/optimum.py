@@ -31,6 +31,7 @@ resample's argmin cannot move it). Any ``estimator(log2_lr, loss) -> float`` can
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -147,10 +148,107 @@ def _draw_means(m: np.ndarray, draws: np.ndarray) -> np.ndarray:
 
 def _curve_vertices(x: np.ndarray, m: np.ndarray, draws: np.ndarray, half_width: int,
                     estimator: Callable | None = None):  # fmt: skip
+    """The vertex of each draw's seed-mean curve, as ``estimator`` (default :func:`vertex`)
+    row by row would give it. :func:`vertex`, :func:`vertex_quartic` and
+    ``functools.partial(vertex_fixed, centre=..., half_width=...)`` are batched: the rows that
+    fit the same points share one least-squares solve (issue 29.5: the report made ~88 k tiny
+    polyfits); any other estimator runs per row."""
     means = _draw_means(m, draws)
     if estimator is None:
-        return np.array([vertex(x, row, half_width) for row in means])
+        _curve(x, means[0], half_width, "vertex")
+        return _parabola_vertices(x, means, _argmin_windows(means, half_width))
+    if estimator is vertex_quartic:
+        _finite(x, means[0], "vertex_quartic")
+        return _quartic_vertices(x, means)
+    if _is_fixed(estimator):
+        hw = estimator.keywords.get("half_width", 2)
+        _curve(x, means[0], hw, "vertex_fixed")
+        i = int(np.argmin(np.abs(x - estimator.keywords["centre"])))
+        k = np.arange(len(x))
+        return _parabola_vertices(x, means, np.isfinite(means) & (abs(k - i) <= hw)[None, :])
     return np.array([estimator(x, row) for row in means])
+
+
+def _is_fixed(estimator) -> bool:
+    return (isinstance(estimator, functools.partial) and estimator.func is vertex_fixed
+            and not estimator.args and "centre" in estimator.keywords
+            and set(estimator.keywords) <= {"centre", "half_width"})  # fmt: skip
+
+
+def _argmin_windows(y: np.ndarray, half_width: int) -> np.ndarray:
+    """Per row of ``y``: the mask of the points :func:`vertex` fits, the argmin of the finite
+    points and up to ``half_width`` finite points on each side (NaNs are skipped, not
+    counted)."""
+    ok = np.isfinite(y)
+    rank = np.cumsum(ok, axis=1) - 1  # index among the row's finite points
+    i = rank[np.arange(len(y)), np.argmin(np.where(ok, y, np.inf), axis=1)]
+    lo = np.maximum(0, i - half_width)[:, None]
+    hi = np.minimum(ok.sum(axis=1), i + half_width + 1)[:, None]
+    return ok & (rank >= lo) & (rank < hi)
+
+
+def _groups(w: np.ndarray):
+    """``(mask, rows)`` for each distinct row of the boolean matrix ``w``."""
+    keys, inverse = np.unique(w, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(k, np.flatnonzero(inverse == g)) for g, k in enumerate(keys)]
+
+
+def _parabola_vertices(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per row: the vertex of the parabola through ``(x[w], y[w])`` (NaN as in
+    ``_window_vertex``), one ``np.polyfit`` (the same column scaling) per distinct window."""
+    out = np.full(len(y), math.nan)
+    for k, rows in _groups(w):
+        xs = x[k]
+        if len(xs) < 3:
+            continue
+        a, b, _ = np.polyfit(xs, y[np.ix_(rows, np.flatnonzero(k))].T, 2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v = -b / (2 * a)
+        ok = (a > 0) & (xs[0] <= v) & (v <= xs[-1])
+        out[rows[ok]] = v[ok]
+    return out
+
+
+def _quartic_vertices(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """:func:`vertex_quartic` of each row of ``y``: one quartic fit per finite mask, the
+    cubic's roots as eigenvalues of stacked companion matrices (as ``np.roots``)."""
+    out = np.full(len(y), math.nan)
+    for k, rows in _groups(np.isfinite(y)):
+        xf = x[k]
+        if len(xf) < 6:
+            continue
+        c = np.polyfit(xf, y[np.ix_(rows, np.flatnonzero(k))].T, 4)  # (5, rows)
+        d = c[:-1] * np.arange(4, 0, -1)[:, None]  # np.polyder, one column per row
+        r = np.full((len(rows), 3), math.nan, dtype=complex)
+        gen = (d[0] != 0) & (d[-1] != 0)  # np.roots strips zero end coefficients
+        comp = np.zeros((int(gen.sum()), 3, 3))
+        comp[:, 0, :] = (-d[1:, gen] / d[0, gen]).T
+        comp[:, 1, 0] = comp[:, 2, 1] = 1.0
+        r[gen] = np.linalg.eigvals(comp) if len(comp) else r[gen]
+        for j in np.flatnonzero(~gen):
+            rj = np.roots(d[:, j])
+            r[j, : len(rj)] = rj
+        rr = r.real
+        with np.errstate(invalid="ignore"):
+            ok = (np.abs(r.imag) < 1e-9) & (rr > xf[0]) & (rr < xf[-1])
+        f = _horner(c, rr)
+        j = np.argmin(np.where(ok, f, np.inf), axis=1)
+        n = np.arange(len(rows))
+        ends = np.minimum(
+            _horner(c, np.full(len(rows), xf[0])), _horner(c, np.full(len(rows), xf[-1]))
+        )
+        keep = ok.any(axis=1) & (f[n, j] < ends)
+        out[rows[keep]] = rr[n, j][keep]
+    return out
+
+
+def _horner(c: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """``np.polyval(c[:, n], t[n])`` for every column ``n`` of ``c`` (the same operations)."""
+    y = np.zeros_like(t)
+    for cv in c:
+        y = y * t + (cv[:, None] if t.ndim == 2 else cv)
+    return y
 
 
 def _draws(frame: pd.DataFrame, group: str, Ns: Sequence[int], n_boot: int, seed: int,
