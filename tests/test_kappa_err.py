@@ -205,3 +205,30 @@ def test_warm_started_kappa_holds_the_dense_kappa_where_the_visits_bound_the_tie
             own = norm_bounds(tied.value, tied.residual, EPS)[1]
             binding += own > rep.visits[rep.visits.j == row.j].U_hi.sum()
     assert binding >= least  # at 1e-2 the new upper end held an interval: it is exercised
+
+
+def test_a_visit_that_missed_its_top_singular_value_is_caught_not_reported_as_converged():
+    # A Krylov run can settle on a lower singular value with a tiny residual (seen on a
+    # float32 LoopedGPT, d 32, R 8: one visit at 0.05493 against its neighbours' 0.05616);
+    # the visits' upper ends then undercut the tied norm's certified lower end.
+    import dataclasses
+
+    from loopprobe.estimate.alignment import _report, visits_contradict
+
+    model = make(ForLoopModel, seed=0, K=2, R=3)
+    x, target = randn(3, 5, seed=1), randn(3, 5, seed=7)
+    rep = visit_alignment(lp.attach(model), x, mse(target), max_iter=80, tol=1e-6)
+    assert rep.converged, rep.reason
+    sens = rep.sensitivity
+    mine = [k for k, v in enumerate(sens.visits) if v.j == 0]
+    top = max(mine, key=lambda k: sens.visit_norms[k].value)
+    norms = list(sens.visit_norms)
+    norms[top] = dataclasses.replace(norms[top], value=norms[top].value * 0.5)  # a lower one
+    bad = _report(rep.updates, dataclasses.replace(sens, visit_norms=norms), None, 1e-6)
+    assert not bad.converged and "missed its top singular value" in bad.reason
+    assert bad.kappa_err == float("inf")
+    row = bad.sublayers.set_index("sublayer").loc["layers.0"]
+    assert not row.converged and bool(bad.sublayers.set_index("sublayer").loc["layers.1"].converged)
+    assert row.kappa_lo <= row.kappa_hi  # the tied norm's own upper end, not the visits' sum
+    assert visits_contradict((2.5, 2.6), [(1.0, 1.1), (1.2, 1.3)], EPS)
+    assert not visits_contradict((2.3, 2.6), [(1.0, 1.1), (1.2, 1.3)], EPS)
