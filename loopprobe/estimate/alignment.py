@@ -26,6 +26,7 @@ import torch
 
 from loopprobe._stats import cosine_matrix
 from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
+from loopprobe.estimate.sensitivity_runs import rounding_slack
 from loopprobe.estimate.updates import OUTSIDE_EPS, Updates, per_visit_updates
 from loopprobe.linalg import ROUNDOFF_EPS, norm_bounds
 from loopprobe.record.probe import Probe
@@ -106,11 +107,10 @@ def visits_contradict(
     of the visits' upper ends: then a visit's Krylov run settled on a singular value below
     its top one (the caveat of :func:`loopprobe.linalg.norm_bounds`), and the visits' upper
     ends cannot all be trusted. Seen on a float32 LoopedGPT, d 32, R 8, with warm-started
-    visits (issue 29): the tied lower end 7.982 against 7.977 from the visits."""
-    # exactly aligned visits give ||sum|| = sum ||U_r||, equal up to the estimates' rounding:
-    # a slack of sqrt(eps) (1.5e-8 in float64, 3.5e-4 in float32) keeps them consistent
-    slack = max(ROUNDOFF_EPS * eps, eps**0.5)
-    return U_tied[0] > sum(hi for _, hi in U_visits) * (1 + slack)
+    visits (issue 29): the tied lower end 7.982 against 7.977 from the visits. Since
+    :func:`~loopprobe.estimate.sensitivity_runs.repair_tops` restarts such visits from the
+    tied operator's top vector, it fires only where that restart failed too."""
+    return U_tied[0] > sum(hi for _, hi in U_visits) * (1 + rounding_slack(eps))
 
 
 #: The stopping rule spends this share of ``tol``: kappa's estimate still moves while the

@@ -42,8 +42,10 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     _product_groups,
     _start,
     _warm_start,
+    beaten,
     default_tol,
     precision_note,
+    repair_tops,
 )
 from loopprobe.linalg import Estimate, StopRule
 from loopprobe.record.probe import Probe
@@ -262,6 +264,9 @@ def sensitivity_norms(
     for phase in phases:  # each from the top vectors of the phases before it
         _warm_start(phase, visits, keys, found, vectors, v0)
         found.update(zip(phase, run(phase), strict=True))
+    eps = float(torch.finfo(lowest_precision(jac.dtypes)).eps)
+    check = partial(beaten, jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks)
+    missed = repair_tops(run, v0, vectors, found, check)
     ests = [found[b] for b in range(len(ops))]
     precision, certified = precision_note(jac.dtypes)
     if not certified:
@@ -281,10 +286,10 @@ def sensitivity_norms(
         if v.j not in tied and sum(w.j == v.j for w in visits) == 1:
             tied[v.j] = visit_norms[k]
     F_norm, mode = float(F_norm), jac.jvp.mode
-    problems = list(getattr(jac, "problems", []))  # invariants of F that failed
+    problems = list(getattr(jac, "problems", [])) + missed  # invariants of F that failed
     return Sensitivity(
         visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys,
-        problems, basis, float(torch.finfo(lowest_precision(jac.dtypes)).eps),
+        problems, basis, eps,
     )  # fmt: skip
 
 

@@ -11,12 +11,19 @@ Reference: seed 002, Eq. 12.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from loopprobe.autodiff import is_half, lowest_precision
-from loopprobe.linalg import Estimate, operator_norm, operator_norm_krylov
+from loopprobe.linalg import (
+    ROUNDOFF_EPS,
+    Estimate,
+    norm_bounds,
+    operator_norm,
+    operator_norm_krylov,
+)
 
 
 def default_tol(dtype: torch.dtype, method: str = "power") -> float:
@@ -153,6 +160,83 @@ def _warm_vectors(start, keys, n_max, call) -> dict:
             f"need {n_max}: the start comes from another model; pass start=None"
         )
     return old
+
+
+#: Restarts of operators whose top vector another operator's beats (:func:`repair_tops`).
+REPAIR_ROUNDS = 2
+
+
+def rounding_slack(eps: float) -> float:
+    """Relative slack between two estimates of one norm reached through different products
+    (``sqrt(eps)``: 1.5e-8 in float64, 3.5e-4 in float32): exactly aligned visits give
+    ``||sum_r U_r|| = sum_r ||U_r||``, equal up to the estimates' rounding."""
+    return max(ROUNDOFF_EPS * eps, eps**0.5)
+
+
+def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks) -> dict:
+    """Operators that missed their top singular value, seen from the others' top vectors.
+
+    A Krylov run settles on *a* singular value (its residual certificate says which is
+    near), the top one only if its start overlaps the top vector, and a cluster of nearly
+    equal top values (a visit of a small step ``x + eps W x``: ``d`` copies of one value,
+    split by ``eps``) hides the top one from a single start for many iterations. Within a
+    sublayer with a tied operator the other operators' top vectors are starts of their own:
+    the tied operator is applied to each visit's vector and each visit to the tied one's
+    (``2 R_j`` JVPs, one batched call), and an operator A whose ``||A v||`` on such a vector v
+    exceeds its own certified upper end (:func:`~loopprobe.linalg.norm_bounds`, with
+    :func:`rounding_slack`) missed its top. Returns ``{b: c}``: operator b is beaten most
+    by operator c's vector."""
+    rows, cols = [], []  # apply operator rows[q] to the vector of operator cols[q]
+    for t, key in enumerate(keys):
+        if key[0] != "tied":
+            continue
+        for b, k in enumerate(keys):
+            if k[0] == "visit" and visits[b].j == key[1]:
+                rows += [t, b]
+                cols += [b, t]
+    if not rows:
+        return {}
+    V = vectors[cols]
+    V = V / V.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    sq = jac.matvec(V, masks[rows], chunk_size).double().square().sum(1)
+    norms = (sq if ranks is None else ranks.sum(sq)).sqrt().tolist()
+    out: dict[int, tuple[float, int]] = {}
+    for b, c, value in zip(rows, cols, norms, strict=True):
+        hi = norm_bounds(found[b].value, found[b].residual, eps)[1]
+        if value > hi * (1 + rounding_slack(eps)) and value > out.get(b, (0.0, -1))[0]:
+            out[b] = (value, c)
+    return {b: c for b, (_, c) in out.items()}
+
+
+def repair_tops(run, v0, vectors, found, check) -> list[str]:
+    """Restart every operator :func:`beaten` (``check()``) from the vector that beat it, up
+    to ``REPAIR_ROUNDS`` times, keeping the better estimate (the larger Ritz value: every
+    Ritz value is a lower bound of the top singular value). Started from that vector its
+    Krylov space holds it, so its new estimate is at least the ``||A v||`` that beat it.
+    Returns the operators still beaten after the last round, in words (``[]``: none)."""
+    worse = check()
+    for _ in range(REPAIR_ROUNDS):
+        if not worse:
+            return []
+        rows = sorted(worse)
+        starts = vectors[[worse[b] for b in rows]].clone()
+        old = {b: (found[b], vectors[b].clone()) for b in rows}
+        for b, start in zip(rows, starts, strict=True):
+            v0[b] = start
+        for b, est in zip(rows, run(rows), strict=True):
+            prev, vec = old[b]
+            if est.value < prev.value:
+                est = prev
+                vectors[b] = vec
+            found[b] = replace(est, iterations=prev.iterations + est.iterations)
+        worse = check()
+    if not worse:
+        return []
+    return [
+        f"operators {sorted(worse)} (positions in Sensitivity.keys) missed their top singular "
+        f"value: another operator's top vector gives a larger ||A v|| after {REPAIR_ROUNDS} "
+        "restarts from it (a cluster of nearly equal top singular values); raise max_iter"
+    ]
 
 
 def _product_groups(visits, ops, rows, narrow: bool) -> list[tuple[list[int], list[int]]]:
