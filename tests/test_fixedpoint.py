@@ -197,6 +197,32 @@ def test_auto_takes_the_dense_jacobian_up_to_its_crossover_only(monkeypatch):
         lp.spectral_radius(lambda h: A @ h, torch.ones(40, dtype=f64), method="qr")
 
 
+def test_the_dense_path_finds_the_top_pairs_by_arpack_or_by_eig_where_arpack_fails(monkeypatch):
+    import scipy.sparse.linalg
+
+    from loopprobe.estimate import eigenpairs
+
+    n, k = 200, 5  # above DENSE_ARPACK_N; a real non-normal map: complex pairs on top
+    A = torch.randn(n, n, generator=gen(5), dtype=f64) / n**0.5
+    A += torch.diag(torch.linspace(-0.5, 0.5, n, dtype=f64))
+    top = np.sort(np.abs(torch.linalg.eigvals(A).numpy()))[::-1]
+    runs = []
+    for case in ("arpack", "eig", "arpack fails"):
+        monkeypatch.setattr(eigenpairs, "DENSE_ARPACK_N", 10**9 if case == "eig" else 128)
+        if case == "arpack fails":
+
+            def refuse(*args, **kwargs):
+                raise scipy.sparse.linalg.ArpackNoConvergence("planted", np.zeros(0), None)
+
+            monkeypatch.setattr(scipy.sparse.linalg, "eigs", refuse)
+        sr = lp.spectral_radius(lambda h: A @ h, torch.ones(n, dtype=f64), k=k, method="dense")
+        assert sr.converged and sr.method == "dense", sr.reason
+        got = np.abs(sr.eigenvalues)
+        np.testing.assert_allclose(got, top[: len(got)], rtol=1e-8)  # ARPACK tol 1e-8
+        runs.append(got)
+    np.testing.assert_allclose(runs[0][:k], runs[1][:k], rtol=1e-8)
+
+
 def test_spectral_radius_of_a_linear_loop_is_the_top_eigenvalue_of_its_transition():
     model = linear_loop(d=24)
     x = torch.randn(24, dtype=f64, generator=gen(5))

@@ -40,10 +40,10 @@ from loopprobe.differentiate.roundmap import (
     check_state,
     linearize,
     numpy_op,
-    quiet,
     rel,
     state_norm,
 )
+from loopprobe.estimate.eigenpairs import DENSE_N, checked_pairs, dense_eig
 from loopprobe.linalg import Estimate, arnoldi_ritz, eig_residual, operator_norm
 
 # ------------------------------------------------------------------------- reachability
@@ -321,9 +321,11 @@ def spectral_radius(
     For a state with fewer than ``k + 2`` entries (too small for ARPACK) a full Arnoldi
     run is exact. ``method``: ``"arnoldi"`` (above), ``"dense"`` (the one exception to
     "never a dense Jacobian": ``J`` from ``n`` VJPs of one forward batched with
-    ``torch.vmap``, all its eigenvalues by ``numpy.linalg.eig``; the top ``k`` pairs are
-    checked as above by fresh JVPs, in one batch), or ``"auto"`` (the default): dense for
-    a state of at most ``DENSE_N`` (768) entries, where it is faster, else Arnoldi
+    ``torch.vmap``, its top pairs by ARPACK on that matrix (free matvecs), or all its
+    eigenvalues by ``numpy.linalg.eig`` below ``DENSE_ARPACK_N`` entries or where ARPACK
+    does not converge; the top ``k`` pairs are checked as above by fresh JVPs, in one
+    batch), or ``"auto"`` (the default): dense for a state of at most ``DENSE_N`` (1024)
+    entries, where it is faster, else Arnoldi
     (benchmarks/bench_spectral_radius.py --sizes). The result's ``method`` says which ran.
     Reference: docs/definitions.md §4 (geometry).
     """
@@ -351,7 +353,7 @@ def spectral_radius(
     converged, reason = True, ""
     try:
         if method == "dense":
-            vals, vecs = _dense_eig(T, h, calls)
+            vals, vecs = dense_eig(T, h, calls, max(k, 2), v0, tol, max_iter)
         elif n < k + 2:
             method = "full-arnoldi"
             vals, vecs = arnoldi_ritz(mv, v0, n)
@@ -377,7 +379,7 @@ def spectral_radius(
     vals, vecs = vals[order], vecs[:, order]
     try:
         if method == "dense":
-            res = _checked(jvp, h, vals, vecs, calls)
+            res = checked_pairs(jvp, h, vals, vecs, calls)
         else:
             res = np.array([eig_residual(mv, lam, vecs[:, i]) for i, lam in enumerate(vals)])
     except NonFinite as err:
@@ -394,43 +396,6 @@ def spectral_radius(
         reason = f"all {len(vals)} eigenpairs pass ||Jv - lambda v|| <= {check_tol:g} |lambda|"
     value = float(np.abs(vals).max())
     return SpectralRadius(value, vals, res, calls[0], converged, reason, method, worst)
-
-
-#: ``spectral_radius(method="auto")`` takes the dense Jacobian up to this state size.
-DENSE_N = 768
-
-
-def _dense_eig(T, h: torch.Tensor, calls: list[int], chunk: int = 256) -> tuple:
-    """Every eigenpair of ``J = dT/dh``, built row by row from batched VJPs of one forward."""
-    n = h.numel()
-    with quiet():
-        _, vjp = torch.func.vjp(T, h)
-        eye = torch.eye(n, dtype=h.dtype, device=h.device)
-        rows = [
-            torch.func.vmap(lambda e: vjp(e.view(h.shape))[0].reshape(-1))(eye[i : i + chunk])
-            for i in range(0, n, chunk)
-        ]
-    calls[0] += n
-    J = torch.cat(rows).detach()  # row i of the batch is J^T e_i, row i of J
-    if not bool(torch.isfinite(J).all()):
-        raise NonFinite("the JVP of the step returned NaN/inf")
-    return np.linalg.eig(J.to(torch.float64).cpu().numpy())
-
-
-def _checked(jvp, h: torch.Tensor, vals, vecs, calls: list[int]) -> np.ndarray:
-    """``||J v - lambda v|| / (|lambda| ||v||)`` of every pair from one batch of fresh JVPs
-    (real and imaginary parts), independent of the dense J the pairs came from."""
-    V = np.concatenate([vecs.real, vecs.imag], axis=1).T
-    X = torch.as_tensor(V, dtype=h.dtype, device=h.device).view(-1, *h.shape)
-    with quiet():
-        Y = torch.func.vmap(jvp)(X).detach().reshape(len(V), -1).double().cpu().numpy()
-    calls[0] += len(V)
-    if not np.isfinite(Y).all():
-        raise NonFinite("the JVP of the step returned NaN/inf")
-    k = vecs.shape[1]
-    Jv = (Y[:k] + 1j * Y[k:]).T
-    scale = np.maximum(np.abs(vals), np.finfo(float).tiny) * np.linalg.norm(vecs, axis=0)
-    return np.linalg.norm(Jv - vecs * vals, axis=0) / scale
 
 
 def _failed_radius(calls: int, reason: str) -> SpectralRadius:
