@@ -325,3 +325,15 @@ def test_unknown_sections_and_inputs_without_model_are_rejected(tmp_path, capsys
     assert "--sections: unknown ['nope']" in capsys.readouterr().err
     assert main(["report", "--inputs", "x:y", "--out", str(tmp_path)]) == 2
     assert "--inputs needs --model" in capsys.readouterr().err
+
+
+def test_the_report_asks_kappa_for_a_bound_its_precision_can_reach():
+    # a 1e-4 bound on kappa is below float32 roundoff from R 2 on (the reference cells ended
+    # at 1.1e-4 to 4e-4, marked not converged); float32 takes its own default (1e-3)
+    import torch
+
+    from loopprobe.report.sections_alignment import report_tol
+
+    model = torch.nn.Linear(3, 3)
+    assert report_tol(model) is None
+    assert report_tol(model.double()) == 1e-4

@@ -137,8 +137,9 @@ def _alignment_cell(c: dict) -> list[dict]:
     idx, targets = _batch(cfg)
     with loopprobe.attach(model) as probe:
         chk = bound_check(
-            probe, idx, _lm_loss(targets), lr=c["lr"], max_iter=c["power_iters"], tol=1e-4
-        )
+            probe, idx, _lm_loss(targets), lr=c["lr"], max_iter=c["power_iters"],
+            tol=report_tol(model),
+        )  # fmt: skip
     rep = chk.report
     bound = {k: v for k, v in chk.to_dict().items()}
     bound["U_converged"] = float(rep.visits["converged"].astype(float).mean())
@@ -152,7 +153,18 @@ def _alignment_cell(c: dict) -> list[dict]:
     return rows
 
 
-_alignment_cell.version = f"{loopprobe.__version__}-2"  # bound rows carry converged/reason
+_alignment_cell.version = f"{loopprobe.__version__}-3"  # kappa at report_tol
+
+
+def report_tol(model: torch.nn.Module) -> float | None:
+    """kappa's error bound in the report: 1e-4 for a float64 model (its default 1e-6 costs
+    more than a report needs), else the dtype's default (1e-3 in float32: a 1e-4 bound is
+    below float32 roundoff from R 2 on: the reference cells ended at bounds of 1.1e-4 to
+    4e-4 and were marked not converged)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return 1e-4 if dtypes == {torch.float64} else None
+
+
 _CFG_FIELDS = {f.name for f in dataclasses.fields(ReportConfig)}
 
 
@@ -332,7 +344,8 @@ def _alignment_user(ctx: Context) -> Result:
     with refusal_is_skip():
         rep, chk = run_alignment(
             u.model, u.inputs, u.loss_fn, forward=u.forward, output=u.output,
-            sublayers=u.sublayers, exclude=u.exclude, max_iter=ctx.cfg.power_iters, tol=1e-4,
+            sublayers=u.sublayers, exclude=u.exclude, max_iter=ctx.cfg.power_iters,
+            tol=report_tol(u.model),
             seed=ctx.cfg.seed, bound=dict(alpha=u.alpha, beta=u.beta),
         )  # fmt: skip
     values: dict[str, Any] = {"kappa": rep.kappa, "M": rep.M, "M_g": rep.M_g}
