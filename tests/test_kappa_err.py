@@ -227,6 +227,10 @@ def test_a_visit_that_missed_its_top_singular_value_is_caught_not_reported_as_co
     bad = _report(rep.updates, dataclasses.replace(sens, visit_norms=norms), None, 1e-6)
     assert not bad.converged and "missed its top singular value" in bad.reason
     assert bad.kappa_err == float("inf")
+    frame = bad.to_frame()  # the tidy frame says it too, not only the report object
+    assert frame.attrs["converged"] is False and frame.attrs["reason"] == bad.reason
+    assert rep.to_frame().attrs["converged"] is True
+    assert rep.to_frame().attrs["kappa_R_err"] == rep.kappa_err <= 1e-6
     row = bad.sublayers.set_index("sublayer").loc["layers.0"]
     assert not row.converged and bool(bad.sublayers.set_index("sublayer").loc["layers.1"].converged)
     assert row.kappa_lo <= row.kappa_hi  # the tied norm's own upper end, not the visits' sum

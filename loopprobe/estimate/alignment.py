@@ -219,9 +219,13 @@ class AlignmentReport:
     tol: float = float("nan")
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per visit with its sublayer's kappa_j, R_j and tied norms joined on."""
+        """One row per visit with its sublayer's kappa_j, R_j and tied norms joined on;
+        ``attrs`` carry kappa_R, its error bound, ``converged`` and ``reason``."""
         cols = ["sublayer", "kappa", "kappa_err", "R_g", "U_tied", "G_tied", "U_max", "G_max"]
-        return self.visits.merge(self.sublayers[cols], on="sublayer", how="left")
+        df = self.visits.merge(self.sublayers[cols], on="sublayer", how="left")
+        df.attrs.update(kappa_R=self.kappa, kappa_R_err=self.kappa_err, tol=self.tol)
+        df.attrs.update(converged=self.converged, reason=self.reason)
+        return df
 
 
 def visit_alignment(
