@@ -47,9 +47,8 @@ Reference: seed 002, Eq. 11-12 (visits), Eq. 17-18 (M and M_g).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -58,7 +57,16 @@ from torch import nn
 
 from loopprobe.distributed import Ranks, unwrap
 from loopprobe.record import discover, discover_cache
-from loopprobe.record.session import Group, device_of, owners_of, restored, session
+from loopprobe.record.session import (  # noqa: F401 - grads_kept: imported from here too
+    Group,
+    device_of,
+    grads_kept,
+    owners_of,
+    restored,
+    session,
+)
+from loopprobe.record.table import visit_frame
+from loopprobe.record.ties import TieNote, partial_tie_notes, warn_partial_ties, with_tie_note
 from loopprobe.record.types import (
     Forward,
     Output,
@@ -104,7 +112,7 @@ class Probe:
         self._owners: list | None = None
         self._discovered = False
         self._depth = 0  # open sessions: inside one, parameters are swapped on purpose
-        self._ties: list[_TieNote] = []
+        self._ties: list[TieNote] = []
         self._pnames = _param_names(model)
 
     # -- context manager ---------------------------------------------------------
@@ -147,8 +155,8 @@ class Probe:
             self._groups, self._owners = None, None
         if self._groups is None:
             self._pnames = _param_names(self.model)
-            self._ties = ties = _partial_tie_notes(self.model)
-            _warn_partial_ties(ties, call)
+            self._ties = ties = partial_tie_notes(self.model)
+            warn_partial_ties(ties, call)
             names = self._requested
             if names is None:
                 names = getattr(self.model, "loopprobe_sublayers", None)
@@ -160,7 +168,7 @@ class Probe:
                     raise ValueError(f"{call}: discovering sublayers needs inputs; pass inputs")
                 groups = self._discover(inputs, forward, call, seed)
             groups = self._apply_exclude(groups, call)
-            groups = [_with_tie_note(g, ties) for g in groups]
+            groups = [with_tie_note(g, ties) for g in groups]
             self._groups = [g.renumbered(j) for j, g in enumerate(groups)]
         return self._groups
 
@@ -370,38 +378,7 @@ class Probe:
         """
         visits = self.visits(inputs, forward=forward, output=output, seed=seed)
         subs = [g.sublayer for g in self.groups()]
-        body = [s.index for s in subs if s.role == "body"]
-        nested = discover.nesting([v.j for v in visits], body)
-        rows = []
-        for s in subs:
-            mine = [v for v in visits if v.j == s.index]
-            loop, steps = nested.get(s.index, ([], float("nan")))
-            rows.append(
-                {
-                    "sublayer": s.name,
-                    "j": s.index,
-                    "role": s.role,
-                    "nested_in": ",".join(subs[b].name for b in loop),
-                    "steps_per_outer": steps,
-                    "modules": ",".join(s.modules),
-                    "parameters": s.numel,
-                    "tensors": len(s.param_names),
-                    "visits": len(mine),
-                    "grad_visible": sum(bool(v.grad_visible) for v in mine),
-                    "no_grad_visits": sum(not v.grad_enabled for v in mine),
-                    "outside_calls": sum(j == s.index for j, _ in self._last_outside),
-                    "note": s.note,
-                }
-            )
-        df = pd.DataFrame(rows)
-        df.attrs["M"] = len(visits)
-        df.attrs["partial_ties"] = [t.sentence() for t in self._ties]
-        df.attrs["M_g"] = sum(bool(v.grad_visible) for v in visits)
-        cfg = getattr(self.model, "cfg", None)  # the formula, when the model states one
-        for key in ("M", "M_g"):
-            if isinstance(getattr(cfg, key, None), int):
-                df.attrs[f"{key}_formula"] = getattr(cfg, key)
-        return df
+        return visit_frame(visits, subs, self._last_outside, self._ties, self.model)
 
     def record(
         self,
@@ -449,94 +426,6 @@ def first_nonfinite_visit(
 
 def _nonzero(grad: torch.Tensor | None) -> bool:
     return grad is not None and bool(grad.ne(0).any())
-
-
-@dataclass(frozen=True)
-class _TieNote:
-    """Same-class modules whose parameters are partly tied (see discover.partial_ties)."""
-
-    modules: tuple[str, ...]
-    cls: str
-    shared: list[str]  # relative names, summarised (``mlp.*``)
-    untied: list[str]
-    shared_ids: frozenset
-
-    def sentence(self) -> str:
-        return (
-            f"{', '.join(self.modules)} ({self.cls}) are partly tied: they share "
-            f"{self.shared} but not {self.untied}"
-        )
-
-
-def _partial_tie_notes(model: nn.Module) -> list[_TieNote]:
-    """The partial ties of ``model``, pairs of one class and one split merged."""
-    merged: dict[tuple, tuple[list[str], frozenset]] = {}
-    for a, b, shared, rest in discover.partial_ties(model):
-        ma = model.get_submodule(a)
-        among = [n for n, _ in ma.named_parameters(remove_duplicate=False)]
-        key = (
-            type(ma).__name__,
-            tuple(discover.summarize(shared, among)),
-            tuple(discover.summarize(rest, among + rest)),
-        )
-        names, ids = merged.get(key, ([], frozenset()))
-        ids |= {id(p) for n, p in ma.named_parameters(remove_duplicate=False) if n in shared}
-        merged[key] = (names + [n for n in (a, b) if n not in names], ids)
-    return [
-        _TieNote(tuple(names), cls, list(sh), list(un), ids)
-        for (cls, sh, un), (names, ids) in merged.items()
-    ]
-
-
-def _warn_partial_ties(ties: list[_TieNote], call: str) -> None:
-    if ties:
-        t = ties[0]
-        a, b = t.modules[:2]
-        more = f" (and {len(ties) - 1} more partial ties)" if len(ties) > 1 else ""
-        fix = t.untied[0].removesuffix(".*")
-        warnings.warn(
-            f"{call}: {a!r} and {b!r} ({t.cls}) are partly tied: they share {t.shared} but "
-            f"not {t.untied}{more}; modules involved: {list(t.modules)}. That is how silently "
-            f"broken weight tying looks; tie all of a module's parameters (e.g. {b}.{fix} = "
-            f"{a}.{fix}) or none. Each parameter set is its own sublayer here: a kappa over "
-            "the shared part is not the whole module's (see the visit table's note column). "
-            "Where the split is intended (a shared block with per-layer parts, as in Zamba), "
-            "the numbers stand for the shared part",
-            stacklevel=4,
-        )
-
-
-def _with_tie_note(g: Group, ties: list[_TieNote]) -> Group:
-    """``g`` with a ``note`` naming the partly tied modules it is only the shared part of."""
-    ids = {id(p) for p in g.params}
-
-    def inside(a: str) -> bool:  # the tie is within the sublayer: its kappa covers both sides
-        return any(a == m or a.startswith(m + ".") for m in g.sublayer.modules)
-
-    notes = [
-        f"{t.sentence()}: this sublayer is only their shared part, so its kappa is over "
-        f"{g.sublayer.numel} parameters, not over the whole {t.cls}"
-        for t in ties
-        if ids & t.shared_ids and not any(inside(a) for a in t.modules)
-    ]
-    if not notes:
-        return g
-    return replace(g, sublayer=replace(g.sublayer, note="; ".join(notes)))
-
-
-@contextlib.contextmanager
-def grads_kept(model: nn.Module):  # noqa: ANN202
-    """Put back every parameter's ``.grad`` (a forward that runs a backward of its own)."""
-    saved = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
-    try:
-        yield
-    finally:
-        for p, g, values in saved:
-            if p.grad is not g:
-                p.grad = g
-            if g is not None and not torch.equal(g, values):  # accumulated in place
-                with torch.no_grad():
-                    g.copy_(values)
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:

@@ -217,3 +217,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not (a.is_floating_point() or a.is_complex()) or a.shape != b.shape:
         return False
     return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@contextmanager
+def grads_kept(model: nn.Module):  # noqa: ANN202
+    """Put back every parameter's ``.grad`` (a forward that runs a backward of its own)."""
+    saved = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, g, values in saved:
+            if p.grad is not g:
+                p.grad = g
+            if g is not None and not torch.equal(g, values):  # accumulated in place
+                with torch.no_grad():
+                    g.copy_(values)
