@@ -25,7 +25,7 @@ from thirdparty_models import make, one_thread, randn  # noqa: F401 (autouse fix
 from torch import nn
 
 import loopprobe as lp
-from loopprobe.record import discover
+from loopprobe.record import discover, ties
 from loopprobe.testing.checks import _differences, _snapshot
 
 
@@ -196,16 +196,16 @@ def test_blocks_sharing_their_mlp_but_not_their_attention_warn_and_say_what_kapp
 
 def test_partial_ties_compare_parameters_recursively_and_skip_per_layer_norms():
     model = make(MiswiredRecursive, R=2)
-    (a, b, shared, rest), *more = discover.partial_ties(model)
+    (a, b, shared, rest), *more = ties.partial_ties(model)
     assert (a, b, more) == ("blocks.0", "blocks.1", [])
     assert shared == ["mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias"]
-    assert discover.summarize(rest, rest + shared) == ["attn.*"]
+    assert ties.summarize(rest, rest + shared) == ["attn.*"]
     for blk in model.blocks[1:]:
         blk.attn = model.blocks[0].attn  # tied in full now
-    assert discover.partial_ties(model) == []
+    assert ties.partial_ties(model) == []
     for blk in model.blocks:
         blk.norm = nn.LayerNorm(8)  # per-layer norms around a shared block: a design
-    assert discover.partial_ties(model) == []
+    assert ties.partial_ties(model) == []
 
 
 # --------------------------------------------------------------------------- case 6

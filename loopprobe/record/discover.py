@@ -56,13 +56,14 @@ twice in a row and b never does (HRM: L L H L L H, so L is nested in H with 2 st
 H visit; siblings of one loop alternate: L0 L1 L0 L1). Of the sublayers a runs inside,
 those visited most often form the innermost enclosing loop, which is reported.
 
-**Partial ties** (:func:`partial_ties`): two modules of one class whose parameters,
-counted recursively, are partly the same objects (``q.weight`` tied, ``q.bias`` not; or
-blocks that share their ``mlp`` but not their ``attn``) are how silently broken weight
-tying looks. The probe warns, and the sublayer that is the shared part says so in its
-``note`` (and the ``note`` column of the visit table): its kappa is over the shared part,
-not over the whole module. Per-layer norms around a shared mixer (ALBERT-style) are not
-reported; a shared block next to per-layer adapters (Zamba) is, and is intended there.
+**Partial ties** (:func:`loopprobe.record.ties.partial_ties`): two modules of one class
+whose parameters, counted recursively, are partly the same objects (``q.weight`` tied,
+``q.bias`` not; or blocks that share their ``mlp`` but not their ``attn``) are how silently
+broken weight tying looks. The probe warns, and the sublayer that is the shared part says
+so in its ``note`` (and the ``note`` column of the visit table): its kappa is over the
+shared part, not over the whole module. Per-layer norms around a shared mixer
+(ALBERT-style) are not reported; a shared block next to per-layer adapters (Zamba) is, and
+is intended there.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ def find_sublayers(calls: Sequence[Call]) -> list[Found]:
     chosen.sort(key=lambda k: tops[k][0])
     known = all(c.reads is not None for c in calls)
     body = [k for k in chosen if chained[k] and known]
-    loop = [k for k in body if not _is_norm(calls[tops[k][0]].cls)]
+    loop = [k for k in body if not is_norm(calls[tops[k][0]].cls)]
     loop_bits = sum(1 << c for k in loop for c in tops[k])
     outside = {k: _chains_outside(calls, tops[k], loop_bits) for k in body if k not in loop}
     outside = outside if loop else {}
@@ -343,7 +344,7 @@ def _role(
         n = chain_count(calls, visits)
         return "body", f"visits chain ({n} of {len(visits) - 1} consecutive pairs)"
     why = f"visits do not chain ({chain_count(calls, visits)} of {len(visits) - 1} pairs)"
-    if _is_norm(cls):
+    if is_norm(cls):
         return "norm", f"{why}; {cls.__name__} is a normalisation"
     if issubclass(cls, (nn.Embedding, nn.EmbeddingBag)) or "Embed" in cls.__name__:
         return "embedding", f"{why}; {cls.__name__} is an embedding"
@@ -359,7 +360,7 @@ def _role(
     return "other", f"{why}; reads the loop and feeds it back"
 
 
-def _is_norm(cls: type) -> bool:
+def is_norm(cls: type) -> bool:
     norms = (
         nn.LayerNorm,
         nn.RMSNorm,
@@ -398,72 +399,6 @@ def _runs_inside(seq: Sequence[int], a: int, b: int) -> bool:
                 runs[j].append(1)
             last = j
     return min(runs[a]) >= 2 and max(runs[b]) == 1
-
-
-def partial_ties(model: nn.Module) -> list[tuple[str, str, list[str], list[str]]]:
-    """Pairs of same-class modules whose parameters (all of them, recursively) are partly
-    the same objects: ``q.weight`` tied and ``q.bias`` not, or blocks that share their
-    ``mlp`` but not their ``attn``.
-
-    Returns ``(module a, module b, shared names, names not shared)`` per pair, names
-    relative to the modules, innermost pairs first (where the tie breaks).
-    """
-    owners = []
-    for name, m in model.named_modules():
-        params = {pn: id(p) for pn, p in m.named_parameters(remove_duplicate=False)}
-        if params:
-            owners.append((name, type(m), params, set(params.values())))
-    holders: dict[int, list[int]] = {}  # parameter id -> the owners holding it
-    for x, (_, _, _, ids) in enumerate(owners):
-        for i in ids:
-            holders.setdefault(i, []).append(x)
-    pairs = {(x, y) for xs in holders.values() for k, x in enumerate(xs) for y in xs[k + 1 :]}
-    out = []
-    for x, y in sorted(pairs):  # only owners that share a parameter can be partly tied
-        (na, ca, pa, ia), (nb, cb, pb, ib) = owners[x], owners[y]
-        if ca is not cb or ia == ib or nb.startswith(na + "."):
-            continue
-        shared = [pn for pn, i in pb.items() if i in ia]
-        rest = [pn for pn, i in pa.items() if i not in ib]
-        rest += [pn for pn, i in pb.items() if i not in ia and pn not in rest]
-        if not _only_norms(model.get_submodule(na), model.get_submodule(nb), rest):
-            out.append((na, nb, shared, rest))
-    out.sort(key=lambda t: -t[0].count("."))  # stable: call order within a depth
-    return out
-
-
-def _only_norms(a: nn.Module, b: nn.Module, names: Sequence[str]) -> bool:
-    """Every name is a parameter of a normalisation submodule (per-layer norms around a
-    shared mixer are a design, ALBERT-style; a norm partly tied itself is not)."""
-
-    def owner(n: str) -> nn.Module | None:
-        for m in (a, b):
-            try:
-                return m.get_submodule(n.rpartition(".")[0]) if "." in n else m
-            except AttributeError:
-                continue
-        return None
-
-    owners = [owner(n) for n in names]
-    return all(o is not None and o is not a and o is not b and _is_norm(type(o)) for o in owners)
-
-
-def summarize(names: Sequence[str], among: Sequence[str]) -> list[str]:
-    """``names`` (dotted parameter names) shortened to submodule globs: ``mlp.*`` when
-    every name of ``among`` under ``mlp`` is in ``names``."""
-    keep = set(names)
-    out: list[str] = []
-    for n in names:
-        parts = n.split(".")
-        short = n
-        for k in range(1, len(parts)):
-            pre = ".".join(parts[:k]) + "."
-            if all(a in keep for a in among if a.startswith(pre)):
-                short = pre + "*"
-                break
-        if short not in out:
-            out.append(short)
-    return out
 
 
 # --------------------------------------------------------------------------- names

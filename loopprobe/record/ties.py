@@ -9,6 +9,7 @@ its kappa is read as the shared part's (the visit table's ``note`` column).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -19,7 +20,7 @@ from loopprobe.record.session import Group
 
 @dataclass(frozen=True)
 class TieNote:
-    """Same-class modules whose parameters are partly tied (see discover.partial_ties)."""
+    """Same-class modules whose parameters are partly tied (see :func:`partial_ties`)."""
 
     modules: tuple[str, ...]
     cls: str
@@ -37,13 +38,13 @@ class TieNote:
 def partial_tie_notes(model: nn.Module) -> list[TieNote]:
     """The partial ties of ``model``, pairs of one class and one split merged."""
     merged: dict[tuple, tuple[list[str], frozenset]] = {}
-    for a, b, shared, rest in discover.partial_ties(model):
+    for a, b, shared, rest in partial_ties(model):
         ma = model.get_submodule(a)
         among = [n for n, _ in ma.named_parameters(remove_duplicate=False)]
         key = (
             type(ma).__name__,
-            tuple(discover.summarize(shared, among)),
-            tuple(discover.summarize(rest, among + rest)),
+            tuple(summarize(shared, among)),
+            tuple(summarize(rest, among + rest)),
         )
         names, ids = merged.get(key, ([], frozenset()))
         ids |= {id(p) for n, p in ma.named_parameters(remove_duplicate=False) if n in shared}
@@ -88,3 +89,71 @@ def with_tie_note(g: Group, ties: list[TieNote]) -> Group:
     if not notes:
         return g
     return replace(g, sublayer=replace(g.sublayer, note="; ".join(notes)))
+
+
+def partial_ties(model: nn.Module) -> list[tuple[str, str, list[str], list[str]]]:
+    """Pairs of same-class modules whose parameters (all of them, recursively) are partly
+    the same objects: ``q.weight`` tied and ``q.bias`` not, or blocks that share their
+    ``mlp`` but not their ``attn``.
+
+    Returns ``(module a, module b, shared names, names not shared)`` per pair, names
+    relative to the modules, innermost pairs first (where the tie breaks).
+    """
+    owners = []
+    for name, m in model.named_modules():
+        params = {pn: id(p) for pn, p in m.named_parameters(remove_duplicate=False)}
+        if params:
+            owners.append((name, type(m), params, set(params.values())))
+    holders: dict[int, list[int]] = {}  # parameter id -> the owners holding it
+    for x, (_, _, _, ids) in enumerate(owners):
+        for i in ids:
+            holders.setdefault(i, []).append(x)
+    pairs = {(x, y) for xs in holders.values() for k, x in enumerate(xs) for y in xs[k + 1 :]}
+    out = []
+    for x, y in sorted(pairs):  # only owners that share a parameter can be partly tied
+        (na, ca, pa, ia), (nb, cb, pb, ib) = owners[x], owners[y]
+        if ca is not cb or ia == ib or nb.startswith(na + "."):
+            continue
+        shared = [pn for pn, i in pb.items() if i in ia]
+        rest = [pn for pn, i in pa.items() if i not in ib]
+        rest += [pn for pn, i in pb.items() if i not in ia and pn not in rest]
+        if not _only_norms(model.get_submodule(na), model.get_submodule(nb), rest):
+            out.append((na, nb, shared, rest))
+    out.sort(key=lambda t: -t[0].count("."))  # stable: call order within a depth
+    return out
+
+
+def _only_norms(a: nn.Module, b: nn.Module, names: Sequence[str]) -> bool:
+    """Every name is a parameter of a normalisation submodule (per-layer norms around a
+    shared mixer are a design, ALBERT-style; a norm partly tied itself is not)."""
+
+    def owner(n: str) -> nn.Module | None:
+        for m in (a, b):
+            try:
+                return m.get_submodule(n.rpartition(".")[0]) if "." in n else m
+            except AttributeError:
+                continue
+        return None
+
+    owners = [owner(n) for n in names]
+    return all(
+        o is not None and o is not a and o is not b and discover.is_norm(type(o)) for o in owners
+    )
+
+
+def summarize(names: Sequence[str], among: Sequence[str]) -> list[str]:
+    """``names`` (dotted parameter names) shortened to submodule globs: ``mlp.*`` when
+    every name of ``among`` under ``mlp`` is in ``names``."""
+    keep = set(names)
+    out: list[str] = []
+    for n in names:
+        parts = n.split(".")
+        short = n
+        for k in range(1, len(parts)):
+            pre = ".".join(parts[:k]) + "."
+            if all(a in keep for a in among if a.startswith(pre)):
+                short = pre + "*"
+                break
+        if short not in out:
+            out.append(short)
+    return out
