@@ -8,6 +8,9 @@ For each size and each quantity a fresh subprocess builds the model and measures
   the unit of the table; median of 3 after a warm-up step;
 - ``G``, ``G low``: ``lp.per_visit_updates`` (full, ``memory="low"``), one warm-up, then
   the median of 2;
+- ``G_vs_step`` (not in the default): a step and ``lp.per_visit_updates`` alternated in one
+  process, 5 times each after a warm-up of both, the minimum of each: G's cost in steps
+  where load shifts between fresh processes (the ``steps`` column is that ratio);
 - ``U``: ``lp.sensitivity_norms`` with ``max_iter`` capped (default 5) and ``tol=0``, so
   every operator runs exactly ``max_iter`` iterations (the estimates are NOT converged;
   the cost of a converged estimate is that of its iteration count, see the per-iteration
@@ -53,7 +56,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-QUANTITIES = ["step", "G", "G_low", "U1", "U", "kappa", "U_whole", "kappa_conv", "kappa_1e-2"]
+QUANTITIES = [
+    "step", "G", "G_low", "G_vs_step", "U1", "U", "kappa", "U_whole", "kappa_conv", "kappa_1e-2",
+]  # fmt: skip
 DEFAULT = "step,G,G_low,U1,kappa"  # U alone (--what ...,U) is kappa minus G, less one pass
 
 
@@ -99,6 +104,29 @@ def worker(d: int, R: int, T: int, B: int, K: int, what: str, max_iter: int) -> 
             opt.step()
 
         repeats, warm = 3, True
+    elif what == "G_vs_step":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def one_step():
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(idx), idx).backward()
+            opt.step()
+
+        def one_G():
+            return lp.per_visit_updates(probe, idx, loss_fn)
+
+        best = {"step": float("inf"), "G": float("inf")}
+        for _ in range(6):  # the first round is the warm-up
+            for name, f in (("step", one_step), ("G", one_G)):
+                c = time.process_time()
+                f()
+                best[name] = min(best[name], time.process_time() - c) if _ else best[name]
+        extra = {"step_cpu": best["step"], "ratio": best["G"] / best["step"]}
+
+        def fn():
+            return None
+
+        repeats, warm = 1, False
     elif what in ("G", "G_low"):
         memory = "low" if what == "G_low" else "full"
 
@@ -169,6 +197,8 @@ def worker(d: int, R: int, T: int, B: int, K: int, what: str, max_iter: int) -> 
         # fmt: skip
     elif what in ("U", "U1", "U_whole"):
         extra = {"method": out.method, "operators": len(out.visit_norms) + len(out.tied_norms)}
+    if what == "G_vs_step":
+        walls = cpus = [extra["ratio"] * extra["step_cpu"]]
     return {
         "wall": statistics.median(walls),
         "cpu": statistics.median(cpus),
@@ -233,6 +263,9 @@ def main() -> None:
                 cpu_total += r["cpu"] * (3 if w in ("step", "G", "G_low") else 1)
                 x = r["cpu"] / rows["step"]["cpu"]
                 note = ""
+                if w == "G_vs_step":  # its own ratio, to the step measured beside it
+                    x = r["ratio"]
+                    note = f"min of 5 alternations; its step {r['step_cpu']:.2f} CPU-s"
                 if w in ("U", "U1", "U_whole", "kappa", "kappa_conv", "kappa_1e-2"):
                     note = f"{r['method']}, chunk {r['chunk'] or '-'}"
                     note += f", kappa {r['kappa']:.7g}" if "kappa" in r else ""
