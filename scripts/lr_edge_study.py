@@ -137,6 +137,9 @@ def main() -> None:
     ap.add_argument("--pilot", action="store_true", help="the pilot design (seeds 0-1)")
     ap.add_argument("--quick", action="store_true", help="1 seed, 2 lrs, 3 steps: a smoke test")
     ap.add_argument("--analyze", action="store_true", help="no training: tables and figure")
+    ap.add_argument(
+        "--task-pilot", action="store_true", help="the part-2 task search of the pilot (1 seed)"
+    )
     ap.add_argument("--seed0", type=int)
     ap.add_argument("--seeds", type=int)
     ap.add_argument("--steps", type=int)

@@ -195,3 +195,15 @@ def test_the_refinement_adds_one_cell_at_the_midpoint_of_each_octave_bracket():
     e2 = le.edges(pd.concat([c, extra]), FLOOR).set_index(["scaling", "N"])
     assert ((e2["hi"] - e2["lo"]) == 0.5).all()
     assert (e2.loc[("1/sqrt(N)", 16), "lo"], e2.loc[("1/sqrt(N)", 16), "hi"]) == (-5.5, -5.0)
+
+
+def test_the_study_command_runs_as_its_page_says(tmp_path, monkeypatch):
+    # the resumable command of docs/studies/lr_edge.md (here its --quick smoke size); its
+    # parser once lacked --task-pilot, so every run but --analyze died on an AttributeError
+    mod = _script()
+    out = tmp_path / "cells.csv"
+    argv = ["lr_edge_study.py", "--quick", "--cache", str(tmp_path / "c"), "--out", str(out)]
+    monkeypatch.setattr("sys.argv", [*argv, "--figure", str(tmp_path / "f.png")])
+    mod.main()
+    cells_run = pd.read_csv(out)
+    assert len(cells_run) > 0 and np.isfinite(cells_run["loss"]).all()
