@@ -19,6 +19,7 @@ STUDIES = {
     "lr_transfer+reachability": ["scripts/repro_analysis.py"],  # issue 17, 30.3
     "deeploop": ["scripts/deeploop_study.py", "--analyze"],  # issue 30.1
     "lr_edge": ["scripts/lr_edge_study.py", "--analyze"],  # issue 30.2
+    "lr_l": ["scripts/lr_l_study.py", "--analyze"],  # issue 30.2 part 2
     "finite_step": ["scripts/finite_step_study.py", "--analyze"],  # issue 30.4
     "flt": ["scripts/flt_study.py", "--analyze"],  # issue 30.5
 }

@@ -36,6 +36,9 @@ def test_the_committed_deeploop_and_finite_step_cells_give_the_pages_verdicts():
     assert any(n.startswith("DeepLoop study: 12 seeds") for n in notes)
     flt = [c for c in v if c.startswith("FLT: ")]
     assert "FLT: avoids the looped transformer's collapse" in flt and len(flt) == 3
+    lr_l = v["LR vs L: the optimum depends on L, not N, under 1/(N√L)"]
+    assert lr_l.verdict == UNKNOWN and "N = 8" in lr_l.measured + lr_l.why  # no task found
+    assert any(n.startswith("LR-vs-L task search: 12.0 CPU-min") for n in notes)
 
 
 def test_planted_deeploop_gains_flip_the_report_verdict_to_holds(tmp_path):
@@ -47,7 +50,7 @@ def test_planted_deeploop_gains_flip_the_report_verdict_to_holds(tmp_path):
     assert v["DeepLoop: vs deepnorm: neutral at R = 1, better at R > 1"].verdict == HOLDS
     boundary = v["DeepLoop: p-sweep: stability boundary near p = 1/2"]
     assert boundary.verdict == UNKNOWN and boundary.why.startswith("undecided")  # no sweep cells
-    assert sum("not judged" in n for n in notes) == 3  # the other studies have no CSV here
+    assert sum("not judged" in n for n in notes) == 4  # the other studies have no CSV here
     harm = planted.cells({("post", 3): -0.05, ("post", 7): -0.05})  # deeploop worse at R > 1
     harm.to_csv(tmp_path / "deeploop_study.csv", index=False)
     claim = _by_claim(issue30_studies(tmp_path)[1])

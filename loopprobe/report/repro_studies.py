@@ -2,11 +2,11 @@
 
 Each study's cells are committed under ``docs/data`` and its criteria are fixed in its page
 under ``docs/studies`` (committed before its results). This module applies the study's own
-analysis (:mod:`loopprobe.experiments.deeploop`, ``.lr_edge``, ``.flt``) to the cells and turns
-its verdicts into report verdicts. The finite-step study's 2,000-resample paired bootstrap
-takes half a minute, so its script writes the verdicts next to its cells
-(``finite_step_verdicts.csv``, from ``scripts/finite_step_study.py --analyze``) and the report
-reads them. A study whose CSV is missing is left out with a note.
+analysis (:mod:`loopprobe.experiments.deeploop`, ``.lr_edge``, ``.lr_l``, ``.flt``) to the
+cells and turns its verdicts into report verdicts. The finite-step study's 2,000-resample
+paired bootstrap takes half a minute, so its script writes the verdicts next to its cells
+(``finite_step_verdicts.csv``, from ``scripts/finite_step_study.py --analyze``) and the
+report reads them. A study whose CSV is missing is left out with a note.
 """
 
 from __future__ import annotations
@@ -70,6 +70,23 @@ def lr_edge(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     )
 
 
+def lr_l(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
+    """The optimal lr against L and N under Loop-muP (issue 30.2 part 2): the task search,
+    and the estimator's verdict once a confirmatory ``lr_l_study.csv`` exists."""
+    from loopprobe.experiments import lr_l as ll
+
+    pilot = pd.read_csv(path)
+    study = path.with_name("lr_l_study.csv")
+    v, why = ll.claim(pilot, pd.read_csv(study) if study.exists() else None)
+    title = "LR vs L: task search (N = 8 must beat N = 1 first)"
+    return (
+        [(title, ll.pilot_table(pilot))],
+        [_verdict("LR vs L", "the optimum depends on L, not N, under 1/(N√L)", v, why,
+                  "lr_l.md")],  # fmt: skip
+        [f"LR-vs-L task search: {pilot['cpu_s'].sum() / 60:.1f} CPU-min"],
+    )
+
+
 def finite_step(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     """Finite-step failures and the quarter step (issue 30.4), verdicts from the script."""
     v = pd.read_csv(path)
@@ -98,6 +115,7 @@ def flt(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
 STUDIES = {
     "deeploop": ("deeploop_study.csv", deeploop),
     "lr_edge": ("lr_edge_study.csv", lr_edge),
+    "lr_l": ("lr_l_pilot.csv", lr_l),
     "finite_step": ("finite_step_verdicts.csv", finite_step),
     "flt": ("flt_study.csv", flt),
 }
