@@ -95,22 +95,17 @@ def worker(d: int, R: int, T: int, B: int, K: int, what: str, max_iter: int) -> 
 
     sensitivity.auto_chunk_size = spy
     extra: dict = {}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # state made by the first step only
+
+    def one_step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(idx), idx).backward()
+        opt.step()
+
     if what == "step":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def fn():
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(idx), idx).backward()
-            opt.step()
-
+        fn = one_step
         repeats, warm = 3, True
     elif what == "G_vs_step":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def one_step():
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(idx), idx).backward()
-            opt.step()
 
         def one_G():
             return lp.per_visit_updates(probe, idx, loss_fn)
