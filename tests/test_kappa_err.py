@@ -238,6 +238,31 @@ def test_a_visit_that_missed_its_top_singular_value_is_caught_not_reported_as_co
     assert not visits_contradict((2.3, 2.6), [(1.0, 1.1), (1.2, 1.3)], EPS)
 
 
+def cluster_loop(R: int):
+    """A LinearLoop of small steps x + eps W x (eps 1e-6), its inputs and its loss."""
+    from loopprobe.models import LinearLoop, LinearLoopConfig
+
+    cfg = LinearLoopConfig(d=8, R=R, eps=1e-6)
+    model = LinearLoop(cfg, generator=torch.Generator().manual_seed(R)).double()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    return model, x, y
+
+
+def test_an_operator_still_beaten_after_the_restarts_is_named_and_not_converged(monkeypatch):
+    from loopprobe.estimate import sensitivity_runs
+
+    monkeypatch.setattr(sensitivity_runs, "REPAIR_ROUNDS", 0)  # no restart: what is left
+    model, x, y = cluster_loop(4)
+    rep = lp.visit_alignment(
+        lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
+        method="lanczos", max_iter=30,
+    )  # fmt: skip
+    assert not rep.converged and not rep.sensitivity.converged
+    assert "missed its top singular value" in rep.reason
+    assert "W r=" in rep.reason or "W (tied)" in rep.reason  # named, not a position
+
+
 @pytest.mark.parametrize("R", [2, 4, 8])
 def test_a_cluster_of_equal_top_singular_values_is_repaired_within_the_certified_bound(R):
     # Aligned visits of a small step x + eps W x (eps 1e-6): each U_r has a cluster of d
@@ -247,13 +272,8 @@ def test_a_cluster_of_equal_top_singular_values_is_repaired_within_the_certified
     # converged). Restarts from each other's top vectors make them consistent.
     from torch.func import jacrev
 
-    from loopprobe.models import LinearLoop, LinearLoopConfig
-
     d, eps = 8, 1e-6
-    cfg = LinearLoopConfig(d=d, R=R, eps=eps)
-    model = LinearLoop(cfg, generator=torch.Generator().manual_seed(R)).double()
-    x = torch.randn(3, d, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    model, x, y = cluster_loop(R)
     W = model.W.weight.detach()
 
     def untied(Ws):

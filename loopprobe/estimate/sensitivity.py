@@ -44,6 +44,7 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     _warm_start,
     beaten,
     default_tol,
+    missed_note,
     precision_note,
     repair_tops,
 )
@@ -61,7 +62,9 @@ class Sensitivity:
     output direction ``w`` (its Gram matrix shows how the visits read the output).
     ``problems``: invariants of the evaluation of F that failed (from
     :class:`~loopprobe.differentiate.jacobian.VisitJacobian`, e.g. F at zero offsets is not
-    the model's output); any makes the result not converged. ``basis``: the vectors one
+    the model's output), and operators that still missed their top singular value after
+    :func:`~loopprobe.estimate.sensitivity_runs.repair_tops`; any makes the result not
+    converged. ``basis``: the vectors one
     Lanczos operator held (below ``max_iter``: restarted, :func:`lanczos_basis`). ``eps``:
     machine epsilon of the lowest precision the forward computes in (the roundoff allowance
     of :func:`~loopprobe.linalg.norm_bounds`).
@@ -266,7 +269,13 @@ def sensitivity_norms(
         found.update(zip(phase, run(phase), strict=True))
     eps = float(torch.finfo(lowest_precision(jac.dtypes)).eps)
     check = partial(beaten, jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks)
-    missed = repair_tops(run, v0, vectors, found, check)
+    left = repair_tops(run, v0, vectors, found, check)
+
+    def label(b: int) -> str:  # visit operators come first, in the order of ``visits``
+        if keys[b][0] == "visit":
+            return f"{visits[b].sublayer} r={visits[b].r}"
+        return f"{jac.groups[keys[b][1]].sublayer.name} (tied)"
+
     ests = [found[b] for b in range(len(ops))]
     precision, certified = precision_note(jac.dtypes)
     if not certified:
@@ -286,7 +295,8 @@ def sensitivity_norms(
         if v.j not in tied and sum(w.j == v.j for w in visits) == 1:
             tied[v.j] = visit_norms[k]
     F_norm, mode = float(F_norm), jac.jvp.mode
-    problems = list(getattr(jac, "problems", [])) + missed  # invariants of F that failed
+    problems = list(getattr(jac, "problems", []))  # invariants of F that failed
+    problems += missed_note([label(b) for b in left])  # operators that missed their top
     return Sensitivity(
         visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys,
         problems, basis, eps,

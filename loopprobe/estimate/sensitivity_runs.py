@@ -208,12 +208,12 @@ def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks) -> 
     return {b: c for b, (_, c) in out.items()}
 
 
-def repair_tops(run, v0, vectors, found, check) -> list[str]:
+def repair_tops(run, v0, vectors, found, check) -> list[int]:
     """Restart every operator :func:`beaten` (``check()``) from the vector that beat it, up
     to ``REPAIR_ROUNDS`` times, keeping the better estimate (the larger Ritz value: every
     Ritz value is a lower bound of the top singular value). Started from that vector its
     Krylov space holds it, so its new estimate is at least the ``||A v||`` that beat it.
-    Returns the operators still beaten after the last round, in words (``[]``: none)."""
+    Returns the operators (positions) still beaten after the last round (``[]``: none)."""
     worse = check()
     for _ in range(REPAIR_ROUNDS):
         if not worse:
@@ -230,12 +230,17 @@ def repair_tops(run, v0, vectors, found, check) -> list[str]:
                 vectors[b] = vec
             found[b] = replace(est, iterations=prev.iterations + est.iterations)
         worse = check()
-    if not worse:
+    return sorted(worse)
+
+
+def missed_note(names: list[str]) -> list[str]:
+    """The problem :func:`repair_tops` leaves, in words (``[]`` when nothing is left)."""
+    if not names:
         return []
     return [
-        f"operators {sorted(worse)} (positions in Sensitivity.keys) missed their top singular "
-        f"value: another operator's top vector gives a larger ||A v|| after {REPAIR_ROUNDS} "
-        "restarts from it (a cluster of nearly equal top singular values); raise max_iter"
+        f"{', '.join(names)}: another operator's top vector gives a larger ||A v|| than this "
+        f"estimate's certified upper end after {REPAIR_ROUNDS} restarts from it, so it missed "
+        "its top singular value (a cluster of nearly equal top values); raise max_iter"
     ]
 
 
