@@ -6,20 +6,18 @@ a paired comparison resolves the planted effects of a few hundredths of a nat.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from _scripts import load_script
 from scipy import stats
 
 from loopprobe.experiments import deeploop as dl
 
 FLOOR = 3.11
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def cells(effect: dict, seeds=range(8), noise=0.003, rng_seed=0, nan=()) -> pd.DataFrame:
@@ -207,15 +205,8 @@ def test_too_few_seeds_per_p_is_undecided():
 # ------------------------------------------------------------------------------ script
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("dls", ROOT / "scripts" / "deeploop_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_study_cell_trains_pairs_its_arms_and_reports_checkpoints(lp_one_thread):
-    mod = _script()
+    mod = load_script("deeploop_study")
     cfg = {**mod.BASE, "d": 16, "seq": 8, "batch": 2, "eval_batches": 2, "checkpoints": 2,
            "steps": 4, "lr": 3e-3, "seed": 0, "R": 2, "p": None}  # fmt: skip
     rows = {n: mod.train_cell({**cfg, "norm": n}) for n in ("post", "deeploop")}
@@ -237,7 +228,7 @@ def test_the_summary_states_each_verdict_and_the_figure_is_drawn_from_the_cells(
 
 
 def test_the_arms_of_a_seed_share_their_init_draws_and_their_data(lp_one_thread, monkeypatch):
-    mod = _script()
+    mod = load_script("deeploop_study")
     built, seen = {}, {}
 
     class Recording(mod.LoopedGPT):

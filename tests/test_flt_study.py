@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from _scripts import load_script
 
 from loopprobe.experiments import flt
 
@@ -153,19 +154,8 @@ def test_summary_and_figure_run_on_planted_cells(tmp_path):
 # ------------------------------------------------------------------------------ script
 
 
-def _script():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "flt_study.py"
-    spec = importlib.util.spec_from_file_location("flt_study_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_study_cell_records_every_k_steps_and_probing_does_not_change_training(lp_one_thread):
-    mod = _script()
+    mod = load_script("flt_study")
     cfg = {**mod.BASE, "d": 16, "seq": 8, "batch": 2, "eval_batches": 1, "every": 2,
            "warmup": 2, "steps": 4, "lr": 1e-2, "seed": 0, "R": 2, "arm": "flt"}  # fmt: skip
     rows = mod.train_cell(cfg)

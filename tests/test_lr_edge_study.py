@@ -7,19 +7,17 @@ left the floor (too slow to learn), and every lr above t is on the floor or NaN.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
 
 import numpy as np
 import pandas as pd
 import pytest
+from _scripts import load_script
 from scipy import stats
 
 from loopprobe.experiments import lr_edge as le
 
 FLOOR = 3.11
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 GRID = [k / 2 for k in range(-20, -1)]  # log2 lr, half octaves 2^-10 .. 2^-1.5
 NS = (1, 2, 4, 8, 16)
 
@@ -153,15 +151,8 @@ def test_missing_columns_raise_a_clear_error():
         le.edges(pd.DataFrame({"N": [1], "lr": [0.1]}), FLOOR)
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("les", ROOT / "scripts" / "lr_edge_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_a_study_cell_trains_and_the_summary_and_figure_come_from_the_cells(tmp_path):
-    mod = _script()
+    mod = load_script("lr_edge_study")
     cfg = {**mod.BASE, "d": 16, "seq": 8, "batch": 2, "eval_batches": 2, "steps": 3,
            "seed": 0, "lr": 1e-3}  # fmt: skip
     out = {sc: mod.edge_cell({**cfg, "scaling": sc, "N": 2}) for sc in le.SCALINGS}
@@ -176,7 +167,7 @@ def test_a_study_cell_trains_and_the_summary_and_figure_come_from_the_cells(tmp_
 
 
 def test_the_refinement_adds_one_cell_at_the_midpoint_of_each_octave_bracket():
-    mod = _script()
+    mod = load_script("lr_edge_study")
     octave = [k for k in GRID if k == int(k)]
     full = cells({"1/sqrt(N)": -0.5, "1/N": 0.0}, seeds=[0], noise=0.0, a=-3.3)
     c = full[np.isin(np.log2(full["lr"]), octave)]
@@ -200,7 +191,7 @@ def test_the_refinement_adds_one_cell_at_the_midpoint_of_each_octave_bracket():
 def test_the_study_command_runs_as_its_page_says(tmp_path, monkeypatch):
     # the resumable command of docs/studies/lr_edge.md (here its --quick smoke size); its
     # parser once lacked --task-pilot, so every run but --analyze died on an AttributeError
-    mod = _script()
+    mod = load_script("lr_edge_study")
     out = tmp_path / "cells.csv"
     argv = ["lr_edge_study.py", "--quick", "--cache", str(tmp_path / "c"), "--out", str(out)]
     monkeypatch.setattr("sys.argv", [*argv, "--figure", str(tmp_path / "f.png")])
