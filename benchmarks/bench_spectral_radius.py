@@ -9,6 +9,9 @@ Targets (issue 5): >= 20x faster, relative error <= 1e-4. Not a test.
     .venv/bin/python benchmarks/bench_spectral_radius.py [--seq-len 64 --d-model 64 --threads 1]
     .venv/bin/python benchmarks/bench_spectral_radius.py --sizes 8x16,16x32,16x64,64x64
 
+``--parts`` (the same sizes): where the dense path's time goes — the library with and
+without its check of the top pairs, the twin, and eigvals / eig / ARPACK on the dense J.
+
 ``--sizes`` (issue 29.5, CPU time of one thread, ``time.process_time``): at each size
 ``seq x d`` the library's default (``method="auto"``: the dense Jacobian from batched JVPs
 up to ``DENSE_N`` entries, Arnoldi above), Arnoldi alone (``method="arnoldi"``, the only
@@ -38,11 +41,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--sizes", default="", help="seq x d list, e.g. 8x16,16x32 (CPU time)")
+    parser.add_argument("--parts", default="", help="seq x d list: where the dense time goes")
     parser.add_argument("--dense-max", type=int, default=1024, help="largest n for the twin")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.sizes:
         return sizes(args)
+    if args.parts:
+        return parts(args)
 
     cfg = GPTConfig(vocab_size=64, seq_len=args.seq_len, d_model=args.d_model, n_heads=4,
                     K=1, R=8, recall="add", outer_norm=True)  # fmt: skip
@@ -113,6 +119,61 @@ def sizes(args) -> None:
         print(f"{n:>5} {t_auto:7.2f} {auto.method:>8} {t_arn:9.2f} {t_twin:12.2f} "
               f"{t_auto / t_twin:9.2f} {abs(auto.value - ref) / ref:8.1e} "
               f"{abs(arn.value - ref) / ref:11.1e}", flush=True)  # fmt: skip
+
+
+def cpu_per_call(fn, repeats: int) -> float:
+    """Mean CPU seconds of one call over ``repeats`` calls, after one warm-up call."""
+    fn()
+    t = time.process_time()
+    for _ in range(repeats):
+        fn()
+    return (time.process_time() - t) / repeats
+
+
+def parts(args) -> None:
+    """Where the dense path's time goes, per size (mean CPU-s of 20 calls at n <= 256, else 3):
+    the library (``method="dense"``), the same without its fresh-JVP check of the top pairs
+    (replaced by zeros; for this measurement only), the dense twin, and on the twin's J the
+    solvers: all eigenvalues, all eigenpairs (``numpy.linalg.eig``), the top pairs by ARPACK."""
+    print(f"{'n':>5} {'library':>8} {'no check':>8} {'twin':>8} {'eigvals':>8} "
+          f"{'eig+vecs':>8} {'ARPACK':>8}  (CPU-s per call)")  # fmt: skip
+    for item in args.parts.split(","):
+        seq, d = map(int, item.split("x"))
+        T, h = state(seq, d, args.seed)
+        times = parts_of(T, h, max(args.k, 2))
+        print(f"{h.numel():>5} " + " ".join(f"{t:8.4f}" for t in times), flush=True)
+
+
+def parts_of(T, h: torch.Tensor, k: int) -> list[float]:
+    import numpy as np
+    from scipy.sparse.linalg import eigs
+
+    from loopprobe.estimate import fixedpoint
+
+    n = h.numel()
+    reps = 20 if n <= 256 else 3
+    lib = cpu_per_call(lambda: lp.spectral_radius(T, h, k=k, method="dense"), reps)
+    checked = fixedpoint.checked_pairs
+    fixedpoint.checked_pairs = lambda jvp, h, vals, vecs, calls: np.zeros(len(vals))
+    try:
+        bare = cpu_per_call(lambda: lp.spectral_radius(T, h, k=k, method="dense"), reps)
+    finally:
+        fixedpoint.checked_pairs = checked
+
+    def twin() -> float:
+        J = torch.func.jacrev(T)(h).reshape(n, n).detach()
+        return torch.linalg.eigvals(J).abs().max().item()
+
+    A = torch.func.jacrev(T)(h).reshape(n, n).detach().numpy()
+    v0 = np.ones(n)
+    return [
+        lib,
+        bare,
+        cpu_per_call(twin, reps),
+        cpu_per_call(lambda: np.linalg.eigvals(A), reps),
+        cpu_per_call(lambda: np.linalg.eig(A), reps),
+        cpu_per_call(lambda: eigs(A, k=k, which="LM", v0=v0, tol=1e-8), reps),
+    ]
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from loopprobe.differentiate.roundmap import NonFinite, quiet
 #: ``spectral_radius(method="auto")`` takes the dense Jacobian up to this state size.
 DENSE_N = 1024
 #: From this size the dense path asks ARPACK for the top pairs instead of ``numpy.linalg.eig``
-#: for all of them (n 768: 0.07 s against 0.45 s, one thread).
+#: for all of them (n 768: 0.021 s against 0.59 s, one thread;
+#: ``benchmarks/bench_spectral_radius.py --parts``).
 DENSE_ARPACK_N = 128
 
 
