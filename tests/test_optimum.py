@@ -15,6 +15,7 @@ from loopprobe.experiments.optimum import (
     vertex,
     vertex_fixed,
     vertex_quartic,
+    vertices,
 )
 
 GRID = [1e-3 * 2**k for k in range(7)]  # log2: -9.97 .. -3.97
@@ -204,3 +205,14 @@ def test_batched_path_keeps_the_half_width_error():
     df = planted({("a", 1): -6.0, ("a", 8): -6.0})
     with pytest.raises(ValueError, match="vertex: half_width=0 must be an integer >= 1"):
         drift_interval(df, "arm", n_boot=10, half_width=0)
+
+
+def test_vertices_is_vertex_row_by_row():
+    rng = np.random.default_rng(3)
+    x = np.arange(-9.0, -2.0)
+    y = (x - rng.uniform(-8.5, -2.5, (40, 1))) ** 2 + rng.normal(0, 0.5, (40, len(x)))
+    y[3, 2] = np.nan  # a missing cell, skipped as vertex skips it
+    for hw in (1, 2):
+        got = vertices(x, y, half_width=hw)
+        want = np.array([vertex(x, row, half_width=hw) for row in y])
+        np.testing.assert_allclose(got, want, rtol=1e-12, equal_nan=True)

@@ -35,6 +35,8 @@ import math
 import numpy as np
 import pandas as pd
 
+from loopprobe.experiments.optimum import vertices
+
 __all__ = [
     "BAND", "LEVEL", "MIN_SEEDS", "N_BOOT", "PREDICTED_L", "QUALIFY_ACC", "QUALIFY_NATS", "cube",
     "claim", "estimate", "figure", "optimum", "pilot_figure", "pilot_markdown", "pilot_table",
@@ -81,19 +83,13 @@ def cube(cells: pd.DataFrame, chance: float) -> tuple[np.ndarray, list, np.ndarr
 
 def optimum(mean: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Vertex (log2 lr) of the parabola through the argmin of ``mean[..., lr]`` and its
-    neighbours, and ``at_edge`` (argmin at the grid's edge: the optimum is that edge lr)."""
+    neighbours (:func:`loopprobe.experiments.optimum.vertices`, half-width 1), and
+    ``at_edge`` (argmin at the grid's edge: the optimum is that edge lr). A flat or concave
+    triple has no vertex: the optimum is the argmin itself."""
     i = np.argmin(mean, axis=-1)
     at_edge = (i == 0) | (i == len(x) - 1)
-    j = np.clip(i, 1, len(x) - 2)
-    x0, x1, x2 = x[j - 1], x[j], x[j + 1]
-    take = np.take_along_axis
-    y0, y1, y2 = (take(mean, (j + k)[..., None], -1)[..., 0] for k in (-1, 0, 1))
-    # vertex of the parabola through (x0, y0), (x1, y1), (x2, y2)
-    num = (x1 - x0) ** 2 * (y1 - y2) - (x1 - x2) ** 2 * (y1 - y0)
-    den = (x1 - x0) * (y1 - y2) - (x1 - x2) * (y1 - y0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        v = x1 - 0.5 * num / den
-    v = np.where(np.isfinite(v) & (den != 0), v, x1)  # flat triple: the argmin itself
+    vx = vertices(x, mean.reshape(-1, mean.shape[-1]), half_width=1).reshape(i.shape)
+    v = np.where(np.isfinite(vx), vx, x[i])
     return np.where(at_edge, x[i], v), at_edge
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "drift_interval",
     "seed_matrix",
     "vertex",
+    "vertices",
     "vertex_fixed",
     "vertex_quartic",
 ]
@@ -65,6 +66,14 @@ def vertex(log2_lr: Sequence[float], loss: Sequence[float], half_width: int = 2)
     if len(x) < 3:
         return math.nan
     return _window_vertex(x, y, int(np.argmin(y)), half_width)
+
+
+def vertices(log2_lr: Sequence[float], losses: np.ndarray, half_width: int = 2) -> np.ndarray:
+    """:func:`vertex` of every row of ``losses`` (``(rows, n_lr)``), batched: the rows that
+    fit the same points share one least-squares solve."""
+    y = np.asarray(losses, dtype=float)
+    _curve(log2_lr, y[0], half_width, "vertices")
+    return _parabola_vertices(np.asarray(log2_lr, dtype=float), y, _argmin_windows(y, half_width))
 
 
 def _curve(log2_lr, loss, half_width: int, call: str) -> tuple[np.ndarray, np.ndarray]:
