@@ -12,19 +12,20 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from _distributed_workers import BATCH, BUILD, KRYLOV, f64, gpt, lm_loss, run
+from _liveness import run_alive, wait_alive
 
 import loopprobe as lp
 from loopprobe.cli import build_parser
 from loopprobe.cli.kappa import build_report
 from loopprobe.distributed import Ranks
+
+pytestmark = pytest.mark.slow  # a two-rank spawn: minutes of CPU
 
 WORLD = 2
 CASES = ["gpt", "ckpt", "fsdp2"]
@@ -36,15 +37,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(fn, out: str, timeout: float = 240.0) -> None:
-    """Run ``fn(rank, WORLD, port, out)`` on WORLD processes; kill them all on a hang."""
+def spawn(fn, out: str) -> None:
+    """Run ``fn(rank, WORLD, port, out)`` on WORLD processes; kill them all on a hang (the ranks
+    used no CPU for two minutes: a slow run on a loaded machine still uses CPU, a deadlock not)."""
     ctx = mp.spawn(fn, args=(WORLD, free_port(), out), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"the {WORLD} ranks did not finish in {timeout:.0f} s (a hang)")
+    try:
+        wait_alive(lambda: ctx.join(timeout=1.0), lambda: [p.pid for p in ctx.processes],
+                   f"the {WORLD} ranks")
+    except TimeoutError:
+        for p in ctx.processes:
+            p.kill()
+        raise
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +179,7 @@ def test_the_torchrun_recipe_prints_the_single_process_kappa_report(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*torchrun, "--nproc-per-node", str(WORLD), "-m", "loopprobe.cli", "ddp-kappa"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [*cmd, *flags, "--json"], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
-    )
+    done = run_alive([*cmd, *flags, "--json"], env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout)
     want = build_report(build_parser().parse_args(["kappa", *flags, "--threads", "1"]))

@@ -174,6 +174,7 @@ def read_key_numbers(cell) -> dict:
     return json.loads(line[3:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_end_to_end_at_reduced_size_and_answers_its_question(path, monkeypatch):
     monkeypatch.setenv("LOOPPROBE_NOTEBOOK_SMALL", "1")
