@@ -7,12 +7,15 @@ Scalar names are ``<prefix>/<quantity>`` (model level: ``loopprobe/kappa_R``),
 ``<prefix>/<quantity>/<sublayer>`` and ``<prefix>/<quantity>/<sublayer>/r<visit>``.
 For Weights & Biases, :class:`loopprobe.monitor.wandb_sink.WandbSink` groups the visits
 (one chart per quantity) where ``wandb.log`` gives one chart per visit.
-Nothing here imports tensorboard, pyarrow or matplotlib until a sink that needs it is made.
+Nothing here imports tensorboard, pyarrow or matplotlib until a sink that needs it is made;
+without matplotlib (``loopprobe[monitor]`` alone) the sinks skip their heat maps, with one
+notice on the ``loopprobe.monitor`` logger.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import pathlib
 import re
@@ -31,6 +34,8 @@ __all__ = [
     "scalars",
     "typed_frame",
 ]
+
+logger = logging.getLogger("loopprobe.monitor")
 
 COLUMNS = ["step", "sublayer", "visit", "quantity", "value", "converged", "reason"]
 HEATMAPS = ("G_norm", "U_norm")
@@ -79,6 +84,25 @@ def scalars(rows: pd.DataFrame, prefix: str = "loopprobe", per_visit: bool = Tru
                 continue
             name += f"/r{int(row.visit)}"
         yield name, float(row.value)
+
+
+def heatmap_function(sink: Any) -> Callable | None:
+    """:func:`loopprobe.plots.monitor.visit_heatmap`, or None without matplotlib/seaborn.
+
+    Without them (``pip install 'loopprobe[monitor]'`` alone) the sink drops its heat maps
+    (``sink.heatmaps = ()``) and says so once on the ``loopprobe`` logger; its scalars go on.
+    """
+    try:
+        from loopprobe.plots.monitor import visit_heatmap  # loopprobe.plots: needs both
+    except ImportError as err:
+        sink.heatmaps = ()
+        logger.warning(
+            "%s: heat maps skipped, the scalars are written (%s)",
+            type(sink).__name__,
+            err,
+        )
+        return None
+    return visit_heatmap
 
 
 def _missing(x: Any) -> bool:
@@ -174,11 +198,10 @@ class TensorBoardSink(Sink):
         kept = rows[rows.quantity.isin(self.heatmaps) & rows.visit.notna()]
         if len(kept):
             self._history.append(kept)
-        if self._history and self._writes % self.heatmap_every == 0:
-            from loopprobe.plots.monitor import visit_heatmap
-
-            history = pd.concat(self._history, ignore_index=True)
-            for q in self.heatmaps:
+        if self.heatmaps and self._history and self._writes % self.heatmap_every == 0:
+            visit_heatmap = heatmap_function(self)
+            history = pd.concat(self._history, ignore_index=True) if visit_heatmap else None
+            for q in self.heatmaps if visit_heatmap else ():
                 if (history.quantity == q).any():
                     fig = visit_heatmap(history, quantity=q)
                     self.writer.add_figure(f"{self.prefix}/heatmap/{q}", fig, step, close=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 
-from loopprobe.monitor.sinks import HEATMAPS, Sink, scalars
+from loopprobe.monitor.sinks import HEATMAPS, Sink, heatmap_function, scalars
 
 __all__ = ["WandbSink"]
 
@@ -109,10 +109,9 @@ class WandbSink(Sink):
             title = f"{q} per visit"
             chart = self.wandb.plot.line_series(xs, ys, keys, title=title, xname="step")
             out[f"{self.prefix}/visits/{q}"] = chart
-        drawn = [q for q in self.heatmaps if (history.quantity == q).any()]
-        if drawn:
-            from loopprobe.plots.monitor import visit_heatmap
-
+        drawn = [q for q in self.heatmaps if (history.quantity == q).any()]  # () once skipped
+        visit_heatmap = heatmap_function(self) if drawn else None
+        if visit_heatmap is not None:
             for q in drawn:
                 out[f"{self.prefix}/heatmap/{q}"] = self._image(visit_heatmap(history, quantity=q))
         return out
