@@ -33,6 +33,19 @@ def modules() -> dict[str, pathlib.Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def imported_by_name(node: ast.AST) -> str | None:
+    """The module a call ``importlib.import_module("loopprobe.x")`` / ``import_module(...)`` /
+    ``__import__(...)`` names by a literal string: an import all the same, for a reader too."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)):
+        return None
+    f = node.func
+    called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+    arg = node.args[0].value
+    if called in ("import_module", "__import__") and isinstance(arg, str):
+        return arg
+    return None
+
+
 def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     """Package modules that the module ``name`` imports anywhere in its source."""
     is_pkg = path.name == "__init__.py"
@@ -49,6 +62,8 @@ def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             named = [f"{base}.{a.name}" for a in node.names]
             targets = [t if t in known else base for t in named]
+        elif dynamic := imported_by_name(node):  # importlib.import_module("loopprobe.x")
+            targets = [dynamic]
         else:
             continue
         out.update(t for t in targets if t in known and t != name)
@@ -102,6 +117,10 @@ def test_the_import_graph_reader_sees_lazy_relative_and_type_checking_imports():
     assert "loopprobe.record.probe" in graph["loopprobe.differentiate.roundmap"]
     assert "loopprobe.models.gpt" in graph["loopprobe.models"]  # from the package's __init__
     assert "loopprobe.plots" in graph["loopprobe.estimate.increments"]  # lazy, inside .plot()
+    hidden = ast.parse('import importlib\nm = importlib.import_module("loopprobe.tasks")')
+    assert [imported_by_name(n) for n in ast.walk(hidden) if imported_by_name(n)] == [
+        "loopprobe.tasks"
+    ]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
 

@@ -26,7 +26,6 @@ seed 002 Lemma A.1.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from loopprobe.estimate.increments import increments as measure_increments
 from loopprobe.estimate.updates import per_visit_updates
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward
@@ -49,9 +49,6 @@ __all__ = [
     "instability",
     "record_training",
 ]
-
-_inc = importlib.import_module("loopprobe.estimate.increments")
-
 
 # --------------------------------------------------------------------------- one check
 
@@ -130,7 +127,7 @@ def instability(
     ups = per_visit_updates(probe, inputs, loss_fn, forward=forward, update="sgd", memory="full")
     # h_N from model.hidden when the model has one; else from ``forward`` (or additive)
     inc_forward = None if callable(getattr(probe.model, "hidden", None)) else forward
-    inc = _inc.increments(probe, inputs, forward=inc_forward, increment=increment, copy=False)
+    inc = measure_increments(probe, inputs, forward=inc_forward, increment=increment, copy=False)
     inc_df = inc.to_frame()
     rows, subs = [], []
     for j, name in enumerate(ups.sublayers):
