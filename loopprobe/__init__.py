@@ -140,7 +140,8 @@ def _moved() -> dict[str, str]:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """What ``__all__`` lists, not this module's own imports and helpers (autocomplete)."""
+    return sorted(__all__)
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use

@@ -48,6 +48,13 @@ def test_an_old_top_level_result_name_warns_and_is_the_same_class():
     assert "AlignmentReport" not in dir(lp)
 
 
+@pytest.mark.parametrize("module", [lp, results], ids=["lp", "lp.results"])
+def test_dir_shows_exactly_what_all_lists_also_after_names_were_loaded(module):
+    _ = lp.visit_alignment, lp.record, results.AlignmentReport  # loaded names land in globals()
+    assert dir(module) == sorted(module.__all__)
+    assert not {"warnings", "importlib", "TYPE_CHECKING", "Any"} & set(dir(module))
+
+
 def test_the_layer_packages_stay_importable_unlisted():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
