@@ -279,4 +279,7 @@ def test_round_map_of_a_reference_model_says_what_it_checked():
     cfg = lpm.GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2, K=1, R=3, recall="add")
     model = lpm.LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).double()
     rm = lp.round_map(model, torch.zeros(1, 4, dtype=torch.long))
-    assert rm.reason == "LoopedGPT.step(h0, x) called twice: relative difference 0, model unchanged"
+    assert rm.reason == (
+        "LoopedGPT.step(h0, x) called twice: relative difference 0, model unchanged; "
+        f"{lp.differentiate.roundmap.EVAL_ROUND}"
+    )

@@ -26,20 +26,25 @@ import torch
 from loopprobe._checks import count as _count
 from loopprobe.autodiff import JVP
 from loopprobe.record.modulestate import IN_PLACE, Change, ModuleState
+from loopprobe.record.session import running_stats
 
 Step = Callable[..., torch.Tensor]
 Map = Callable[[torch.Tensor], torch.Tensor]
 
 # ------------------------------------------------------------------------ the round map
 
+EVAL_ROUND = "eval mode (dropout off, BatchNorm with its running statistics)"
+
 
 @dataclass(frozen=True)
 class RoundMap:
     """One round of a model as a function: ``step(h, x)``, the input ``x``, start ``h0``, R.
 
-    ``T(h)`` is the round at this input. Every call runs the model in eval mode and puts
-    each submodule's train/eval flag back afterwards. ``reason`` says what was checked when
-    the map was built (empty for a map written by hand).
+    ``T(h)`` is the round at this input. The maps loopprobe builds run the model in eval
+    mode, BatchNorm with its running statistics even when the model is in train mode, and
+    put each submodule's train/eval flag back afterwards; ``mode`` says which round a map
+    measures (:data:`EVAL_ROUND`, or the step's own for a map written by hand). ``reason``
+    says what was checked when the map was built (empty for a map written by hand).
     """
 
     step: Step
@@ -47,6 +52,7 @@ class RoundMap:
     h0: torch.Tensor
     rounds: int | None
     reason: str = ""
+    mode: str = "the step's own mode (a map written by hand)"
 
     def T(self, h: torch.Tensor) -> torch.Tensor:
         return self.step(h, self.x)
@@ -78,7 +84,8 @@ def round_map(model: torch.nn.Module, idx: torch.Tensor) -> RoundMap:
             return model.step(h, x)
 
     reason = _check_pure_step(model, step, x)
-    return RoundMap(step, x, x, getattr(getattr(model, "cfg", None), "R", None), reason)
+    R = getattr(getattr(model, "cfg", None), "R", None)
+    return RoundMap(step, x, x, R, f"{reason}; {EVAL_ROUND}", EVAL_ROUND)
 
 
 def _check_pure_step(model: torch.nn.Module, step: Step, x: torch.Tensor) -> str:
@@ -205,7 +212,8 @@ def replay_round(
     reason = _check_replay(call, module, round, out, _state_of(rec.output), changes, replay_rtol)
     watched = changes  # every later call puts back what this one changed
     empty = states[0].new_zeros(0)
-    return RoundMap(step, empty if x is None else x, states[0], len(calls), reason)
+    reason = f"{reason}; {EVAL_ROUND}"
+    return RoundMap(step, empty if x is None else x, states[0], len(calls), reason, EVAL_ROUND)
 
 
 def replay_tol(dtype: torch.dtype) -> float:
@@ -301,10 +309,13 @@ def _replay_arg(call: str, args: tuple, kwargs: dict, where: int | str) -> torch
 
 @contextlib.contextmanager
 def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """The model in eval mode, BatchNorm with its running statistics even inside probing
+    (which sets them aside for train-mode forwards): the round of docs/definitions.md §4."""
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        yield
+        with running_stats(model):
+            yield
     finally:
         for m, flag in flags:
             m.training = flag

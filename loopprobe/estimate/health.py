@@ -27,16 +27,18 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from loopprobe.differentiate.roundmap import RoundMap, _eval_mode, round_map
+from loopprobe.differentiate.roundmap import EVAL_ROUND, RoundMap, _eval_mode, round_map
 from loopprobe.estimate.alignment import visit_alignment
 from loopprobe.estimate.health_checks import (  # noqa: F401 - the thresholds, re-exported
     ALIGNED,
     BOUND_MAX,
     COLUMNS,
+    CONFIDENCE,
     CORRELATED,
     DECORRELATED,
     EXPLOSION,
     FAILS,
+    FINE,
     FIX_SCALES,
     FIX_STEP,
     FIXED_POINT_TOL,
@@ -45,8 +47,10 @@ from loopprobe.estimate.health_checks import (  # noqa: F401 - the thresholds, r
     INFERENCE,
     LINEAR_RULE,
     MEASUREMENT,
+    MIN_PAIRS,
     OSCILLATION,
     RHO_MAX,
+    RISK,
     SCALING_TOL,
     SQRT_RULE,
     UNCORRELATED,
@@ -59,7 +63,15 @@ from loopprobe.estimate.health_checks import (  # noqa: F401 - the thresholds, r
 from loopprobe.record.increments import caller_rng
 from loopprobe.record.probe import Probe
 from loopprobe.record.session import restored
-from loopprobe.record.types import Forward, LossFn, Output, check_loss, model_loss, pick_output
+from loopprobe.record.types import (
+    DefaultLoss,
+    Forward,
+    LossFn,
+    Output,
+    check_loss,
+    loss_label,
+    pick_output,
+)
 
 __all__ = ["Health", "health"]
 
@@ -90,15 +102,19 @@ class Health:
         return str(self.frame.set_index("check").loc[check, "verdict"])
 
     def lines(self) -> list[str]:
-        """The one-screen summary: two lines per check, what was measured, then the theory."""
+        """The one-screen summary: per check the reading (fine / risk / cannot tell) with what
+        was measured, the theory's premise or claim as context, then what to do."""
         v = self.values
         out = [
             f"health of {v['model']}: {v['M_g']} gradient-visible looped visits; loss: {v['loss']}"
         ]
         for r in self.frame.itertuples():
-            out.append(f"[{r.verdict}] {r.check}: {r.claim} ({r.kind}): {r.measured}")
+            out.append(f"[{r.reading}] {r.check} ({r.kind}): {r.measured}")
             why = f"; {r.why}" if r.why else ""
-            out.append(f"    theory: {r.predicted}; threshold: {r.threshold}{why}")
+            out.append(f"    theory: {r.claim}: {r.verdict} ({r.threshold}; {r.predicted}){why}")
+            out.append(f"    → {r.advice}")
+        counts = self.frame.reading.value_counts()
+        out.append(", ".join(f"{counts.get(k, 0)} {k}" for k in (RISK, UNKNOWN, FINE)))
         out.append("converged: yes" if self.converged else f"converged: NO ({self.reason})")
         return out
 
@@ -127,8 +143,9 @@ def health(
 ) -> Health:
     """The health check of a looped model on one batch: a verdict per check (module docstring).
 
-    ``loss_fn(output, inputs)``: default the model's own ``.loss`` when its output has one,
-    else ``0.5 * mean(F²)``. ``alpha``/``beta``: the residual scale and init gain (default
+    ``loss_fn(output, inputs)``: default the one rule of every entry point (the model's own
+    ``.loss`` when its output has one, else ``0.5 * mean(F²)``); ``values["loss"]`` names the
+    loss actually used. ``alpha``/``beta``: the residual scale and init gain (default
     ``model.cfg.alpha/beta``, else attributes ``model.alpha/beta``; the bound line says which).
     ``step``: the round map, as ``fn(model, inputs) -> lp.RoundMap`` (what ``--step`` takes,
     e.g. returning ``lp.replay_round(model, inputs, "block")``), as one round
@@ -151,7 +168,7 @@ def health(
     if not isinstance(model, nn.Module):
         raise TypeError(f"health: model must be a torch.nn.Module, got {type(model).__name__}")
     scales = _scales(model, alpha, beta)
-    loss, loss_name = _loss(loss_fn, output)
+    loss = _loss(loss_fn, output)
     kw = dict(forward=forward, output=output, max_iter=max_iter, tol=tol, seed=seed)
     bar = tqdm(["κ_R", "increments", "round map"], desc="health", disable=not progress, leave=False)
     with caller_rng(model), Probe(model, sublayers, exclude) as probe, restored(model):
@@ -162,11 +179,14 @@ def health(
             elif part == "increments":
                 inc_rows, inc_problems = increment_rows(probe, inputs, forward, increment, rep)
             else:
-                fp_rows, fp_problems = round_rows(*_round_map(model, inputs, step), fp_max_iter)
+                rm, how = _round_map(model, inputs, step)
+                how = how if rm is None else f"{how}; the round in {rm.mode}"
+                fp_rows, fp_problems = round_rows(rm, how, fp_max_iter)
     rows, values = alignment_rows(rep, scales)
     rows += inc_rows + fp_rows + gradient_rows(rep)
     problems = ([f"κ_R: {rep.reason}"] if not rep.converged else []) + inc_problems + fp_problems
-    values.update(model=type(model).__name__, loss=loss_name, M=int(rep.M), M_g=int(rep.M_g))
+    label = loss_label(loss_fn if loss_fn is not None else loss)  # the loss actually used
+    values.update(model=type(model).__name__, loss=label, M=int(rep.M), M_g=int(rep.M_g))
     return Health(pd.DataFrame(rows, columns=COLUMNS), values, problems)
 
 
@@ -195,17 +215,11 @@ def _scales(model: nn.Module, alpha: Any, beta: Any) -> tuple[float | None, floa
     return (None if a is None else float(a)), (None if b is None else float(b)), where
 
 
-def _loss(loss_fn: LossFn | None, output: Output | None) -> tuple[LossFn, str]:
+def _loss(loss_fn: LossFn | None, output: Output | None) -> LossFn:
+    """``loss_fn`` checked, or the one default rule (:class:`DefaultLoss`)."""
     if loss_fn is not None:
-        return check_loss(loss_fn, "health"), "loss_fn"
-
-    def loss(out: Any, _inputs: Any) -> torch.Tensor:
-        own = model_loss(out)
-        if own is not None:
-            return own
-        return 0.5 * pick_output(out, output, call="health").pow(2).mean()
-
-    return loss, "the output's own .loss, else ½·mean(F²) (pass loss_fn=)"
+        return check_loss(loss_fn, "health")
+    return DefaultLoss(lambda out: pick_output(out, output, call="health"), call="health")
 
 
 # --------------------------------------------------------------------------- round map
@@ -244,7 +258,8 @@ def _round_map(model: nn.Module, inputs: Any, step: Any) -> tuple[RoundMap | Non
             return step(model, h, x)
 
     rounds = getattr(model, "R", getattr(getattr(model, "cfg", None), "R", None))
-    return RoundMap(T, x, x, rounds if isinstance(rounds, int) else None), f"step=, {how}, h_0 = x"
+    R = rounds if isinstance(rounds, int) else None
+    return RoundMap(T, x, x, R, mode=EVAL_ROUND), f"step=, {how}, h_0 = x"
 
 
 STEP_FORMS = "pass fn(model, h, x) -> h, fn(model, inputs) -> lp.RoundMap or an lp.RoundMap"

@@ -10,6 +10,7 @@ parameter goes through here; nothing else in the package writes ``_parameters``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -179,34 +180,78 @@ def device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
+# BatchNorm running statistics set aside by `restored`, per module (see running_stats)
+_SET_ASIDE: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 @contextmanager
 def restored(model: nn.Module) -> Iterator[None]:
-    """Put back train/eval flags and buffer values (e.g. BatchNorm running stats).
+    """Put back train/eval flags, buffer values (e.g. BatchNorm running stats) and the state
+    of every ``torch.Generator`` a module holds (``self.gen`` of a dropout-like module).
 
     Inside the block, train-mode BatchNorm layers run without running statistics: the
     output is the same (train mode normalises with batch statistics), nothing is
-    updated, and torch.func transforms do not trip over in-place buffer updates.
+    updated, and torch.func transforms do not trip over in-place buffer updates. A round
+    map run in eval mode inside the block gets them back for its call (:func:`running_stats`).
     """
     modes = [(m, m.training) for m in model.modules()]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    gens = [(g, g.get_state()) for g in generators(model)]
     stats = []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
             for key in ("running_mean", "running_var", "num_batches_tracked"):
                 if m._buffers.get(key) is not None:
                     stats.append((m, key, m._buffers[key]))
+                    _SET_ASIDE.setdefault(m, {})[key] = m._buffers[key]
                     m._buffers[key] = None
     try:
         yield
     finally:
         for m, key, b in stats:
             m._buffers[key] = b
+            _SET_ASIDE.get(m, {}).pop(key, None)
         for m, mode in modes:
             m.training = mode
+        for g, state in gens:
+            g.set_state(state)
         with torch.no_grad():
             for b, saved in buffers:
                 if not _same(b, saved):
                     b.copy_(saved)
+
+
+@contextmanager
+def running_stats(model: nn.Module) -> Iterator[None]:
+    """Give the BatchNorm layers of ``model`` back the running statistics that an enclosing
+    :func:`restored` set aside, for the block: an eval-mode call then normalises with them,
+    as it does outside probing (eval mode with no running statistics would use the batch's)."""
+    put = []
+    for m in model.modules():
+        for key, b in _SET_ASIDE.get(m, {}).items():
+            if key in m._buffers and m._buffers[key] is None:
+                m._buffers[key] = b
+                put.append((m, key))
+    try:
+        yield
+    finally:
+        for m, key in put:
+            m._buffers[key] = None
+
+
+def generators(model: nn.Module) -> list[torch.Generator]:
+    """Every ``torch.Generator`` a module of ``model`` holds as an attribute (directly or in a
+    list, tuple or dict attribute), each once."""
+    found: dict[int, torch.Generator] = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            inner = value.values() if isinstance(value, dict) else value
+            for v in inner if isinstance(value, list | tuple | dict) else (value,):
+                if isinstance(v, torch.Generator):
+                    found.setdefault(id(v), v)
+    return list(found.values())
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
