@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [q for q in quantities if q not in COORD_QUANTITIES]
     if bad:
         raise ValueError(f"--quantities: {bad} not in {list(COORD_QUANTITIES)}")
-    from loopprobe.experiments.coordcheck import reference_coord_check
+    from loopprobe.experiments.coordcheck_reference import reference_coord_check
 
     cc = reference_coord_check(
         args.schemes,

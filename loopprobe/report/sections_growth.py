@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from loopprobe.estimate.increments import increments
-from loopprobe.experiments.coordcheck import reference_coord_check
+from loopprobe.experiments.coordcheck_reference import reference_coord_check
 from loopprobe.experiments.growth import reference_growth, start_at_rms
 from loopprobe.record.probe import Probe
 from loopprobe.report.common import _batch, _gpt, refusal_is_skip
