@@ -92,3 +92,89 @@ def test_train_mode_batchnorm_rho_is_the_eval_round_in_health_monitor_and_replay
     at_R = dense_rho_of_the_eval_round(model, x, model.R)  # the Monitor's rho: at h_R
     assert float(got["value"].iloc[0]) == pytest.approx(at_R, rel=1e-6)
     assert model.training and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+# --------------------------------------- a parametrization that writes state under torch.func
+
+
+class SNBlock(nn.Module):
+    """A residual block whose first weight is spectrally normalised (torch's parametrization,
+    in train mode: every forward runs one power-iteration step and writes ``u``/``v``)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(d, d))
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + 0.5 * torch.tanh(self.fc(torch.tanh(self.lin(h))))
+
+
+class SNLoop(nn.Module):
+    def __init__(self, d: int = 5, R: int = 3) -> None:
+        super().__init__()
+        self.R = R
+        self.inp = nn.Linear(3, d)
+        self.block = SNBlock(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(self.R):
+            h = self.block(h)
+        return self.head(h)
+
+
+def sn_model() -> SNLoop:
+    model = make(SNLoop)
+    sn = model.block.lin.parametrizations.weight[0]
+    with torch.no_grad():  # before the power iteration settles: each step moves u, v a lot
+        sn._u.copy_(torch.nn.functional.normalize(randn(5, seed=3), dim=0))
+        sn._v.copy_(torch.nn.functional.normalize(randn(5, seed=4), dim=0))
+    return model.train()
+
+
+def squared(out: torch.Tensor, _inputs: object) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def sn_brute_kappa(model: SNLoop, x: torch.Tensor) -> float:
+    """kappa of the block from dense per-visit Jacobians of an explicitly untied F (the twin):
+    visit r computes with its own copy of the block's parameters, the power step (no grad)
+    on that copy's weight from the u, v the previous visit left, as torch's parametrization
+    does in train mode."""
+    blk, sn = model.block, model.block.lin.parametrizations.weight[0]
+    names = ["lin.parametrizations.weight.original", "lin.bias", "fc.weight", "fc.bias"]
+    params = dict(blk.named_parameters())
+    sizes = [params[n].numel() for n in names]
+
+    def F(*thetas: torch.Tensor) -> torch.Tensor:
+        u, v = sn._u.clone(), sn._v.clone()
+        h = model.inp(x)
+        for theta in thetas:
+            W, b, Wf, bf = (t.view_as(params[n]) for t, n in zip(theta.split(sizes), names))
+            with torch.no_grad():
+                u = torch.nn.functional.normalize(W.detach() @ v, dim=0, eps=sn.eps)
+                v = torch.nn.functional.normalize(W.detach().T @ u, dim=0, eps=sn.eps)
+            Wn = W / torch.dot(u, W @ v)
+            h = h + 0.5 * torch.tanh(torch.tanh(h @ Wn.T + b) @ Wf.T + bf)
+        return model.head(h).reshape(-1)
+
+    theta = torch.cat([params[n].detach().reshape(-1) for n in names])
+    thetas = [theta.clone().requires_grad_() for _ in range(model.R)]
+    J = torch.autograd.functional.jacobian(F, tuple(thetas))
+    G = torch.autograd.grad(F(*thetas).pow(2).mean(), thetas)
+    norm2 = lambda m: float(torch.linalg.matrix_norm(m, 2))  # noqa: E731
+    return (norm2(sum(J)) * float(sum(G).norm())) / (
+        model.R * max(norm2(j) for j in J) * max(float(g.norm()) for g in G)
+    )
+
+
+def test_spectral_norm_in_train_mode_kappa_matches_an_untied_twin_and_the_model_is_unchanged():
+    model, x = sn_model(), randn(4, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    got = lp.visit_alignment(lp.attach(model, sublayers=["block"]), x, squared, tol=1e-10)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} moved by probing"
+    assert got.converged
+    assert got.kappa == pytest.approx(sn_brute_kappa(model, x), rel=1e-6)

@@ -41,7 +41,7 @@ from loopprobe.autodiff import (
     transform_refusal,
 )
 from loopprobe.record.probe import Probe, first_nonfinite_visit
-from loopprobe.record.session import restored
+from loopprobe.record.session import buffer_values, put_back, restored
 from loopprobe.record.types import Forward, Output, Visit, call_model, pick_output, seeded
 
 
@@ -209,10 +209,14 @@ class VisitJacobian:
     def _vjp_by_transforms(self) -> None:
         # Outer no_grad: torch.func still differentiates, but no autograd graph is
         # recorded for the model's own parameters (much faster, less memory).
+        saved = buffer_values(self.probe.model)
         try:
             with torch.no_grad():
                 self.F0, self._vjp_fn = vjp(self.f, *self.primals)
         except RuntimeError as e:
+            # the failed attempt may have written buffers (spectral_norm's u/v) that nothing
+            # under the transform could put back: back before any fallback runs
+            put_back(saved)
             if "mutate a captured Tensor" not in str(e) or self.buffer_writes is not None:
                 raise
             written = self._written_buffers()

@@ -254,6 +254,26 @@ def generators(model: nn.Module) -> list[torch.Generator]:
     return list(found.values())
 
 
+def buffer_values(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer of ``model`` with a copy of its values, for :func:`put_back`."""
+    return [(b, b.detach().clone()) for b in model.buffers()]
+
+
+def put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy the values :func:`buffer_values` saved back into the buffers that differ.
+
+    For the moment after a ``torch.func`` attempt failed: a forward under a transform may
+    write a buffer in place (``spectral_norm``'s power iteration writes ``u``/``v``) and
+    then fail, and :func:`restored` cannot copy inside the transform. Before any fallback
+    runs, the model must be back where the first forward found it, or the fallback
+    measures at other weights than the forward it is compared with.
+    """
+    with torch.no_grad():
+        for b, values in saved:
+            if not _same(b, values):
+                b.copy_(values)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal values, NaN equal to NaN (a NaN buffer left alone is unchanged: copying it
     back would write a captured tensor inside a torch.func transform)."""
