@@ -49,6 +49,8 @@ cost 1.03x (``benchmarks/bench_transform_safe.py``).
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -185,10 +187,35 @@ def transform_safe(*modules: torch.nn.Module) -> Iterator[None]:
                 f"transform_safe: got a {type(m).__name__}; pass the nn.Module(s) whose "
                 "buffers are written in place during forward, or nothing"
             )
+    load_jvp_decompositions()
     user = _cur_sdpa_kernel_backends()
     with sdpa_kernel(SDPBackend.MATH), _AttentionLayout(user), inline_checkpoint():
         with _fresh_buffers(modules):
             yield
+
+
+_JVP_DECOMPOSITIONS = "torch._decomp.decompositions_for_jvp"
+
+
+def load_jvp_decompositions() -> None:
+    """Load torch's forward-AD decompositions now, without torch's own deprecation warning.
+
+    On the first forward-mode call torch imports them, registering each with
+    ``torch.jit.script``, which recent torch deprecates (torch 2.13: 18
+    ``DeprecationWarning``-s about torch's internals that a user cannot act on, and an error
+    under ``-W error``). Only that message, only during that import, is ignored; the import
+    happens once per process.
+    """
+    if _JVP_DECOMPOSITIONS in sys.modules:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning
+        )
+        try:
+            __import__(_JVP_DECOMPOSITIONS)
+        except ImportError:  # a torch without it loads nothing there
+            pass
 
 
 @contextmanager
@@ -260,6 +287,7 @@ class JVP:
 
     def __call__(self, f: Callable, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
         if not self.reverse:
+            load_jvp_decompositions()
             try:
                 return torch.func.jvp(f, primals, tangents)
             except (NotImplementedError, RuntimeError) as e:
