@@ -178,3 +178,61 @@ def test_spectral_norm_in_train_mode_kappa_matches_an_untied_twin_and_the_model_
         assert torch.equal(v, before[k]), f"{k} moved by probing"
     assert got.converged
     assert got.kappa == pytest.approx(sn_brute_kappa(model, x), rel=1e-6)
+
+
+# ------------------------------------------------------- a torch.Generator owned by a module
+
+
+class OwnDropout(nn.Module):
+    """Dropout drawing from the module's own generator (as some codebases do for
+    reproducibility), in train mode."""
+
+    def __init__(self, p: float, seed: int) -> None:
+        super().__init__()
+        self.p = p
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return h
+        keep = torch.rand(h.shape, generator=self.gen, dtype=h.dtype) >= self.p
+        return h * keep / (1 - self.p)
+
+
+class GenLoop(nn.Module):
+    def __init__(self, d: int = 5, R: int = 3, masks: list | None = None) -> None:
+        super().__init__()
+        self.R, self.masks = R, masks
+        self.inp = nn.Linear(3, d)
+        self.block = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d))
+        self.drop = OwnDropout(0.3, seed=7)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for r in range(self.R):
+            branch = self.block(h)
+            if self.masks is None:
+                h = h + self.drop(branch)
+            else:  # the twin: the masks the generator draws, fixed
+                h = h + branch * self.masks[r] / (1 - self.drop.p)
+        return self.head(h)
+
+
+def test_a_generator_a_module_owns_is_not_advanced_and_every_evaluation_draws_the_same_masks():
+    model, x = make(GenLoop).train(), randn(4, 3)
+    state = model.drop.gen.get_state()
+    with torch.no_grad():
+        sample = model.inp(x)
+    gen = torch.Generator()
+    gen.set_state(state)
+    masks = [torch.rand(sample.shape, generator=gen, dtype=x.dtype) >= 0.3 for _ in range(3)]
+    twin = make(GenLoop, masks=masks).train()
+    probe = lp.attach(model, sublayers=["block"])
+    got = lp.visit_alignment(probe, x, squared, tol=1e-10)
+    assert torch.equal(model.drop.gen.get_state(), state), "probing advanced model.drop.gen"
+    want = lp.visit_alignment(lp.attach(twin, sublayers=["block"]), x, squared, tol=1e-10)
+    assert got.converged and got.kappa == pytest.approx(want.kappa, rel=1e-8)
+    h = lp.health(model, x, alpha=1.0, beta=1.0, progress=False)
+    assert h.values["kappa"] == pytest.approx(want.kappa, rel=1e-3)
+    assert torch.equal(model.drop.gen.get_state(), state), "lp.health advanced model.drop.gen"
