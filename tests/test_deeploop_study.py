@@ -12,10 +12,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from _scripts import load_script
 from scipy import stats
 
-from loopprobe.experiments import deeploop as dl
+from studies.deeploop import analysis as dl
+from studies.deeploop import run as deeploop_run
 
 FLOOR = 3.11
 
@@ -206,7 +206,7 @@ def test_too_few_seeds_per_p_is_undecided():
 
 
 def test_a_study_cell_trains_pairs_its_arms_and_reports_checkpoints(lp_one_thread):
-    mod = load_script("deeploop_study")
+    mod = deeploop_run
     cfg = {**mod.BASE, "d": 16, "seq": 8, "batch": 2, "eval_batches": 2, "checkpoints": 2,
            "steps": 4, "lr": 3e-3, "seed": 0, "R": 2, "p": None}  # fmt: skip
     rows = {n: mod.train_cell({**cfg, "norm": n}) for n in ("post", "deeploop")}
@@ -228,7 +228,7 @@ def test_the_summary_states_each_verdict_and_the_figure_is_drawn_from_the_cells(
 
 
 def test_the_arms_of_a_seed_share_their_init_draws_and_their_data(lp_one_thread, monkeypatch):
-    mod = load_script("deeploop_study")
+    mod = deeploop_run
     built, seen = {}, {}
 
     class Recording(mod.LoopedGPT):

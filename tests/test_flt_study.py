@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from _scripts import load_script
 
-from loopprobe.experiments import flt
+from studies.flt import analysis as flt
+from studies.flt import run as flt_run
 
 FLOOR = 3.11
 
@@ -155,7 +155,7 @@ def test_summary_and_figure_run_on_planted_cells(tmp_path):
 
 
 def test_a_study_cell_records_every_k_steps_and_probing_does_not_change_training(lp_one_thread):
-    mod = load_script("flt_study")
+    mod = flt_run
     cfg = {**mod.BASE, "d": 16, "seq": 8, "batch": 2, "eval_batches": 1, "every": 2,
            "warmup": 2, "steps": 4, "lr": 1e-2, "seed": 0, "R": 2, "arm": "flt"}  # fmt: skip
     rows = mod.train_cell(cfg)

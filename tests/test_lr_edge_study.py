@@ -12,10 +12,10 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from _scripts import load_script
 from scipy import stats
 
-from loopprobe.experiments import lr_edge as le
+from studies.lr_edge import analysis as le
+from studies.lr_edge import run as lr_edge_run
 
 FLOOR = 3.11
 GRID = [k / 2 for k in range(-20, -1)]  # log2 lr, half octaves 2^-10 .. 2^-1.5
@@ -152,7 +152,7 @@ def test_missing_columns_raise_a_clear_error():
 
 
 def test_a_study_cell_trains_and_the_summary_and_figure_come_from_the_cells(tmp_path):
-    mod = load_script("lr_edge_study")
+    mod = lr_edge_run
     cfg = {**mod.BASE, "d": 16, "seq": 8, "batch": 2, "eval_batches": 2, "steps": 3,
            "seed": 0, "lr": 1e-3}  # fmt: skip
     out = {sc: mod.edge_cell({**cfg, "scaling": sc, "N": 2}) for sc in le.SCALINGS}
@@ -167,7 +167,7 @@ def test_a_study_cell_trains_and_the_summary_and_figure_come_from_the_cells(tmp_
 
 
 def test_the_refinement_adds_one_cell_at_the_midpoint_of_each_octave_bracket():
-    mod = load_script("lr_edge_study")
+    mod = lr_edge_run
     octave = [k for k in GRID if k == int(k)]
     full = cells({"1/sqrt(N)": -0.5, "1/N": 0.0}, seeds=[0], noise=0.0, a=-3.3)
     c = full[np.isin(np.log2(full["lr"]), octave)]
@@ -191,7 +191,7 @@ def test_the_refinement_adds_one_cell_at_the_midpoint_of_each_octave_bracket():
 def test_the_study_command_runs_as_its_page_says(tmp_path, monkeypatch):
     # the resumable command of docs/studies/lr_edge.md (here its --quick smoke size); its
     # parser once lacked --task-pilot, so every run but --analyze died on an AttributeError
-    mod = load_script("lr_edge_study")
+    mod = lr_edge_run
     out = tmp_path / "cells.csv"
     argv = ["lr_edge_study.py", "--quick", "--cache", str(tmp_path / "c"), "--out", str(out)]
     monkeypatch.setattr("sys.argv", [*argv, "--figure", str(tmp_path / "f.png")])

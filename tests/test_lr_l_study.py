@@ -1,4 +1,4 @@
-"""The LR-vs-L study's analysis (loopprobe.experiments.lr_l) on planted cell tables, and the
+"""The LR-vs-L study's analysis (studies.lr_l.analysis) on planted cell tables, and the
 pointer-chasing task it trains on (lp.tasks.pointer_chasing) against a plain-Python twin."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import loopprobe as lp
-from loopprobe.experiments import lr_l
 from loopprobe.experiments.lrtransfer import LRTransfer
+from studies.lr_l import analysis as lr_l
 
 LOG2_LRS = np.arange(-9.0, -2.9, 0.5)  # half octaves 2^-9 .. 2^-3
 

@@ -21,8 +21,8 @@ import torch
 from loopprobe import _memory
 from loopprobe._io import load_object
 from loopprobe._threads import blas_threads
-from loopprobe.experiments.optimum import drift_interval, seed_matrix, vertex
 from loopprobe.report.render import render_html
+from studies.optimum import drift_interval, seed_matrix, vertex
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
 ROOT = pathlib.Path(__file__).resolve().parents[1]

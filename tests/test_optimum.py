@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from loopprobe.experiments.optimum import (
+from studies.optimum import (
     _curve_vertices,
     classify,
     contrast_interval,

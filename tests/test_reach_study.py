@@ -11,7 +11,7 @@ from torch import nn
 
 import loopprobe as lp
 from loopprobe.experiments.recall import distinct_points, picard_many, reach_probe
-from loopprobe.experiments.reproductions import boot_mean, study_claims, study_summary
+from studies.reachability.analysis64 import boot_mean, study_claims, study_summary
 
 # ---------------------------------------------------------------- the probe
 
@@ -217,25 +217,24 @@ def test_study_summary_has_one_row_per_arm():
     assert (s["runs"] == 3).all()
 
 
-def test_the_committed_runs_give_the_study_verdicts_and_the_report_shows_them(tmp_path):
-    import dataclasses
+def test_the_committed_runs_give_the_study_verdicts_and_the_verdict_table_states_them(tmp_path):
     import pathlib
     import shutil
 
     from loopprobe import report
-    from loopprobe.report.config import Context
-    from loopprobe.report.sections_repro import reproductions_section
+    from studies.verdicts import collect
 
-    data = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data" / "reach_runs.csv"
+    data = pathlib.Path(__file__).resolve().parents[1] / "studies/reachability/reach_runs.csv"
     runs = pd.read_csv(data)
     assert len(runs) == 36 and (runs["inputs"] == 64).all() and runs["error"].isna().all()
     got = verdicts(runs)
     assert got[OUTER] == "holds"
     assert all(got[k].startswith("undecided (the interval") for k in (A, A2, RECALL, INTERNAL, C))
-    shutil.copy(data, tmp_path / data.name)  # only this study: the LR bootstraps take long
-    cfg = dataclasses.replace(report.ReportConfig.quick(), repro_data=str(tmp_path))
-    r = reproductions_section(Context(cfg=cfg))
-    v = {x["claim"]: x for x in r.values["verdicts"]}
+    (tmp_path / "reachability").mkdir()  # only this study: the LR bootstraps take long
+    shutil.copy(data, tmp_path / "reachability" / data.name)
+    _, pairs, notes = collect(tmp_path)
+    v = {x.claim: x.to_dict() for _, x in pairs}
+    assert {study for study, _ in pairs} == {"reachability"}
     assert v[f"64-input study: {OUTER}"]["verdict"] == report.verdicts.HOLDS
     assert v[f"64-input study: {C}"]["verdict"] == report.verdicts.UNKNOWN
-    assert any("64-input reachability study: 36 runs" in n for n in r.notes)
+    assert any("64-input reachability study: 36 runs" in n for n in notes)

@@ -11,23 +11,24 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from loopprobe.experiments.optimum import (
+from studies.lr_transfer.analysis import (
+    LR_RUNS,
+    lr_contrast_sensitivity,
+    lr_divergence,
+    lr_loop_cost,
+    lr_rule_gap,
+)
+from studies.optimum import (
     best_loss_gap,
     contrast_interval,
     vertex,
     vertex_fixed,
     vertex_quartic,
 )
-from loopprobe.experiments.reproductions import (
-    LR_RUNS,
-    lr_contrast_sensitivity,
-    lr_divergence,
-    lr_loop_cost,
-    lr_rule_gap,
-    reach_outer_norm_effect,
-)
+from studies.reachability.analysis import reach_outer_norm_effect
 
-DATA = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data"
+STUDIES = pathlib.Path(__file__).resolve().parents[1] / "studies"
+LR_DIR, REACH_DIR = STUDIES / "lr_transfer", STUDIES / "reachability"
 X = np.arange(-19, -7) / 2  # run 2's half-octave grid, log2 lr
 
 
@@ -224,7 +225,7 @@ def test_too_few_runs_give_no_reachability_factor_verdict():
 
 def test_the_committed_run2_contrast_depends_on_the_vertex_estimator():
     spec = LR_RUNS[2]
-    t, statement = lr_contrast_sensitivity(pd.read_csv(DATA / spec["cells"]),
+    t, statement = lr_contrast_sensitivity(pd.read_csv(LR_DIR / spec["cells"]),
                                            half_width=spec["half_width"])  # fmt: skip
     t = t.set_index("estimator")
     want = {"argmin window (pre-stated)": (-0.006, -0.494, 0.264, "do not differ as predicted"),
@@ -245,7 +246,7 @@ def test_the_committed_run2_contrast_depends_on_the_vertex_estimator():
 
 
 def test_the_committed_runs_decide_the_loss_claims():
-    run2 = pd.read_csv(DATA / LR_RUNS[2]["cells"])
+    run2 = pd.read_csv(LR_DIR / LR_RUNS[2]["cells"])
     g = lr_rule_gap(run2)
     assert (g["gap"], g["ci_low"], g["ci_high"]) == pytest.approx((0.039, 0.014, 0.064),
                                                                   abs=1e-3)  # fmt: skip
@@ -258,13 +259,13 @@ def test_the_committed_runs_decide_the_loss_claims():
         {"1/N": 0.126, "1/sqrt(N)": 0.165, "loop-mup": 0.133}, abs=1e-3
     )
     assert lr_divergence(run2) == {"rows": 864, "trainings": 720, "diverged": 0}
-    run1 = pd.read_csv(DATA / LR_RUNS[1]["cells"])
+    run1 = pd.read_csv(LR_DIR / LR_RUNS[1]["cells"])
     assert lr_divergence(run1) == {"rows": 336, "trainings": 280, "diverged": 0}
     assert lr_rule_gap(run1)["verdict"] == "undecided"  # 0.056 [-0.023, 0.110], 8 seeds
 
 
 def test_the_committed_reachability_runs_separate_outer_norm_from_recall():
-    t = reach_outer_norm_effect(pd.read_csv(DATA / "reachability_study.csv"))
+    t = reach_outer_norm_effect(pd.read_csv(REACH_DIR / "reachability_study.csv"))
     t = t.set_index("comparison")
     on = t.loc["outer norm on vs off"]
     assert (on["with"], on["without"], on["verdict"]) == ("17/24", "0/24", "differs")
@@ -275,13 +276,12 @@ def test_the_committed_reachability_runs_separate_outer_norm_from_recall():
     assert rec["verdict"] == "no difference detected"
 
 
-def test_the_report_section_states_the_decided_claims_and_the_sensitivity():
+def test_the_verdicts_state_the_decided_claims_and_the_sensitivity():
     from loopprobe import report
-    from loopprobe.report.config import Context
-    from loopprobe.report.sections_repro import reproductions_section
+    from studies.verdicts import collect
 
-    r = reproductions_section(Context(cfg=report.ReportConfig.quick()))
-    v = {x["claim"]: x for x in r.values["verdicts"]}
+    _, pairs, notes = collect(STUDIES)
+    v = {x.claim: x.to_dict() for _, x in pairs}
     V = report.verdicts
     assert v["run 2, N = 8: 1/N gives a lower loss than 1/√N"]["verdict"] == V.HOLDS
     assert v["outer norm is what makes fixed points reachable"]["verdict"] == V.HOLDS
@@ -290,7 +290,7 @@ def test_the_report_section_states_the_decided_claims_and_the_sensitivity():
     assert len(bound) == 1 and v[bound[0]]["verdict"] == V.UNKNOWN
     pre = v["run 2: 1/√N moves the optimum more than 1/N does"]
     assert pre["verdict"] == V.FAILS and "quartic vertex: -0.23 [-0.90, +0.11]" in pre["why"]
-    tested = [n for n in r.notes if "what was tested" in n]
+    tested = [n for n in notes if "what was tested" in n]
     assert len(tested) == 1
     assert "0 of 1000 trainings (2 runs, 1200 cells) diverged" in tested[0]
     assert "1/N +0.16 [+0.13, +0.19]" in tested[0]

@@ -1,5 +1,6 @@
-"""Issue 30's studies in the report's ``reproductions`` section: each study's own verdicts,
-from its committed cells (and from planted cells, to see a verdict flip)."""
+"""Issue 30's studies' verdicts: each study's own verdicts from its committed cells (and from
+planted cells, to see a verdict flip), through the verdict table into the report's
+``reproductions`` section."""
 
 from __future__ import annotations
 
@@ -10,21 +11,22 @@ import pandas as pd
 import test_deeploop_study as planted
 
 from loopprobe import report
-from loopprobe.experiments import deeploop as dl
 from loopprobe.report.config import Context
-from loopprobe.report.repro_studies import issue30_studies
 from loopprobe.report.sections_repro import reproductions_section
 from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN
+from studies import verdicts as study_verdicts
+from studies.deeploop import analysis as dl
+from studies.judges import issue30_studies
 
-DATA = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data"
+STUDIES = pathlib.Path(__file__).resolve().parents[1] / "studies"
 
 
-def _by_claim(verdicts) -> dict:
-    return {v.claim: v for v in verdicts}
+def _by_claim(pairs) -> dict:
+    return {v.claim: v for _, v in pairs}
 
 
 def test_the_committed_deeploop_and_finite_step_cells_give_the_pages_verdicts():
-    _, verdicts, notes = issue30_studies(DATA)
+    _, verdicts, notes = issue30_studies(STUDIES)
     v = _by_claim(verdicts)
     post = v["DeepLoop: vs post: neutral at R = 1, better at R > 1"]
     assert post.verdict == FAILS and "R=1 neutral fails" in post.measured  # docs/studies page
@@ -42,8 +44,9 @@ def test_the_committed_deeploop_and_finite_step_cells_give_the_pages_verdicts():
 
 
 def test_planted_deeploop_gains_flip_the_report_verdict_to_holds(tmp_path):
+    (tmp_path / "deeploop").mkdir()
     cells = planted.improving(gain=0.05)
-    cells.to_csv(tmp_path / "deeploop_study.csv", index=False)
+    cells.to_csv(tmp_path / "deeploop" / "deeploop_study.csv", index=False)
     _, verdicts, notes = issue30_studies(tmp_path)
     v = _by_claim(verdicts)
     assert v["DeepLoop: vs post: neutral at R = 1, better at R > 1"].verdict == HOLDS
@@ -52,19 +55,23 @@ def test_planted_deeploop_gains_flip_the_report_verdict_to_holds(tmp_path):
     assert boundary.verdict == UNKNOWN and boundary.why.startswith("undecided")  # no sweep cells
     assert sum("not judged" in n for n in notes) == 4  # the other studies have no CSV here
     harm = planted.cells({("post", 3): -0.05, ("post", 7): -0.05})  # deeploop worse at R > 1
-    harm.to_csv(tmp_path / "deeploop_study.csv", index=False)
+    harm.to_csv(tmp_path / "deeploop" / "deeploop_study.csv", index=False)
     claim = _by_claim(issue30_studies(tmp_path)[1])
     assert claim["DeepLoop: vs post: neutral at R = 1, better at R > 1"].verdict == FAILS
     assert dl.claim(dl.comparisons(harm), "post")[0] == "fails"
 
 
-def test_the_section_runs_on_study_cells_alone_and_lists_their_verdicts(tmp_path):
-    planted.improving().to_csv(tmp_path / "deeploop_study.csv", index=False)
+def test_planted_study_cells_reach_the_report_through_the_verdict_table(tmp_path):
+    for study in ("deeploop", "finite_step"):
+        (tmp_path / study).mkdir()
+    planted.improving().to_csv(tmp_path / "deeploop" / "deeploop_study.csv", index=False)
     pd.DataFrame(
         [{"criterion": "H2 sign(A+Q) accuracy >= 97%", "estimate": 0.99, "lo": 0.98, "hi": 1.0,
           "verdict": "holds"}]
-    ).to_csv(tmp_path / "finite_step_verdicts.csv", index=False)  # fmt: skip
-    cfg = replace(report.ReportConfig.quick(), repro_data=str(tmp_path))
+    ).to_csv(tmp_path / "finite_step" / "finite_step_verdicts.csv", index=False)  # fmt: skip
+    table = study_verdicts.write(tmp_path / "verdicts.csv", root=tmp_path)
+    assert set(table["study"]) == {"deeploop", "finite_step"}
+    cfg = replace(report.ReportConfig.quick(), studies=str(tmp_path))
     res = reproductions_section(Context(cfg=cfg))
     seen = {v["claim"]: v["verdict"] for v in res.values["verdicts"]}
     assert seen["finite step: H2 sign(A+Q) accuracy >= 97%"] == HOLDS

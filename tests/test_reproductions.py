@@ -13,16 +13,11 @@ import pytest
 
 from loopprobe import report
 from loopprobe.cli import main
-from loopprobe.experiments.reproductions import (
-    LR_RUNS,
-    lr_claim,
-    lr_contrast,
-    lr_drift,
-    reach_claims,
-    reach_summary,
-)
+from studies.lr_transfer.analysis import LR_RUNS, lr_claim, lr_contrast, lr_drift
+from studies.reachability.analysis import reach_claims, reach_summary
 
-DATA = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data"
+STUDIES = pathlib.Path(__file__).resolve().parents[1] / "studies"
+LR_DIR, REACH_DIR = STUDIES / "lr_transfer", STUDIES / "reachability"
 GRID = [2.0 ** (k / 2) for k in range(-19, -7)]  # run 2's half-octave grid
 
 
@@ -130,12 +125,12 @@ def test_reach_summary_counts_reached_runs_and_takes_dependence_only_where_reach
 
 def test_the_cached_lr_runs_give_the_committed_drift_tables():
     for run, spec in LR_RUNS.items():
-        path = DATA / spec["cells"]
+        path = LR_DIR / spec["cells"]
         if not path.exists():
             continue
         t = lr_drift(pd.read_csv(path), half_width=spec["half_width"])
         suffix = "" if run == 1 else str(run)
-        saved = pd.read_csv(DATA / f"lr_transfer_drift{suffix}.csv").set_index("arm")
+        saved = pd.read_csv(LR_DIR / f"lr_transfer_drift{suffix}.csv").set_index("arm")
         for r in t.to_dict("records"):
             assert r["drift"] == pytest.approx(saved.loc[r["arm"], "drift"], abs=1e-3)
             assert r["ci_low"] == pytest.approx(saved.loc[r["arm"], "ci_low"], abs=1e-3)
@@ -143,7 +138,7 @@ def test_the_cached_lr_runs_give_the_committed_drift_tables():
 
 
 def test_the_cached_reachability_runs_give_the_readme_verdicts():
-    runs = pd.read_csv(DATA / "reachability_study.csv")
+    runs = pd.read_csv(REACH_DIR / "reachability_study.csv")
     got = reach_claims(runs)
     # A: 6/8 and 4/8 at the cap fail (<= 50 %), but the misses' own contraction rates reach
     # tol within 2x the iterations in 75 % of runs: the verdict flips with the cap
@@ -154,9 +149,10 @@ def test_the_cached_reachability_runs_give_the_readme_verdicts():
     assert got["verdict"].iloc[1] == "not tested (zero by construction)"
 
 
-def test_the_report_section_reads_the_cached_cells_and_states_the_verdicts(tmp_path):
+def test_the_report_section_reads_the_verdict_table_and_states_the_verdicts(tmp_path):
     out = tmp_path / "r"
-    code = main(["report", "--sections", "reproductions", "--out", str(out), "--no-progress"])
+    code = main(["report", "--sections", "reproductions", "--out", str(out), "--no-progress",
+                 "--studies", str(STUDIES)])  # fmt: skip
     assert code == 0
     sec = json.loads((out / "results.json").read_text())["sections"]["reproductions"]
     assert sec["status"] == "ok"
@@ -169,15 +165,20 @@ def test_the_report_section_reads_the_cached_cells_and_states_the_verdicts(tmp_p
     assert claims_seen["run 2: 1/√N moves the optimum more than 1/N does"] == report.verdicts.FAILS
 
 
-def test_the_report_section_is_skipped_without_cached_cells_and_for_a_user_model(tmp_path):
+def test_the_report_section_is_skipped_without_a_verdict_table_and_for_a_user_model(
+    tmp_path, monkeypatch
+):
     cfg = report.ReportConfig.quick()
     from dataclasses import replace
 
     from loopprobe.report.config import Context, Skip
     from loopprobe.report.sections_repro import reproductions_section
 
-    with pytest.raises(Skip, match="no cached study cells"):
-        reproductions_section(Context(cfg=replace(cfg, repro_data=str(tmp_path))))
+    monkeypatch.chdir(tmp_path)  # no ./studies here
+    with pytest.raises(Skip, match="no study verdicts .*`python -m studies`"):
+        reproductions_section(Context(cfg=cfg))
+    with pytest.raises(ValueError, match="--studies .*: no verdicts.csv there"):
+        reproductions_section(Context(cfg=replace(cfg, studies=str(tmp_path))))
     user = report.UserModel("m:f", None, None, None, "loss")
     with pytest.raises(Skip, match="not a --model diagnostic"):
         reproductions_section(Context(cfg=cfg, user=user))

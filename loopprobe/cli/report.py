@@ -17,6 +17,7 @@ section failed, 2 on bad input (nothing is computed then).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 from loopprobe.cli._common import add_user_model_args, apply_threads, increment_spec, reference_work
@@ -65,6 +66,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"comma-separated subset of {','.join(SECTION_KEYS)}",
     )
+    parser.add_argument(
+        "--studies",
+        default=None,
+        metavar="DIR",
+        help="the studies tree whose verdicts.csv the reproductions section shows (default "
+        "./studies when it exists; `python -m studies` writes it in a clone of the repository)",
+    )
     parser.add_argument("--no-cache", action="store_true", help="recompute every sweep cell")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run, cache_of=_cache_of)
@@ -93,9 +101,15 @@ def run(args: argparse.Namespace) -> int:
     if sections and any(s not in keys for s in sections):
         bad = [s for s in sections if s not in keys]
         raise ValueError(f"--sections: unknown {bad}; choose from {','.join(keys)}")
+    if args.studies is not None:  # before any computation or output
+        from loopprobe.report.sections_repro import verdict_table
+
+        verdict_table(args.studies)
     report.check_out_dir(args.out)  # before any computation
     _check_plots()
     cfg = report.ReportConfig.quick() if args.quick else report.ReportConfig()
+    if args.studies is not None:
+        cfg = dataclasses.replace(cfg, studies=args.studies)
     user = None
     if args.model is not None:
         user = report.load_user_model(

@@ -4,9 +4,11 @@
 functions run them (and the growth sweep) on the reference :class:`~loopprobe.models.LoopedGPT`;
 :func:`recall_study` trains the recall / outer-norm variants for fixed-point reachability;
 :func:`record_training` trains a model while recording :func:`loopprobe.instability`;
-:func:`watch_training` trains the reference model per scheme with :class:`loopprobe.Monitor` on;
-:mod:`.optimum` locates a learning-rate optimum and tests its drift over N (issue 17).
+:func:`watch_training` trains the reference model per scheme with :class:`loopprobe.Monitor` on.
 Results are cached per configuration by :func:`loopprobe.sweep` where a ``cache_dir`` is given.
+
+The pre-registered studies built on these drivers (their designs, analyses, criteria and
+committed cells) live beside the package in the repository's ``studies/`` tree, not here.
 """
 
 from loopprobe.estimate.instability import InstabilityRecorder, record_training

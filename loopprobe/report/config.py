@@ -41,7 +41,7 @@ class ReportConfig:
     fp_train_steps: int = 40
     fp_max_iter: int = 200
     seed: int = 0
-    repro_data: str | None = None  # the studies' cached cells (default: the repo's docs/data)
+    studies: str | None = None  # the studies tree holding verdicts.csv (default ./studies)
 
     @classmethod
     def quick(cls) -> ReportConfig:

@@ -1,29 +1,20 @@
-"""Issue 17's two studies, judged from their cached cells: LR transfer and fixed-point reachability.
+"""Issue 17's LR-transfer study (seed 004, Loop-muP), judged from its committed cells.
 
-The training runs live in ``scripts/lr_transfer_study.py`` and ``scripts/reachability_study.py``
-(hours, outside CI); their tidy cells are committed under ``docs/data``. This module holds
-only the analysis and the criteria stated before each run (README, "Reproducing the seeds'
-training claims"), so ``scripts/repro_analysis.py`` and the report's ``reproductions`` section
-give the same verdicts from the same CSVs.
+The training runs are :mod:`studies.lr_transfer.run` (hours, outside CI); their tidy cells are
+committed beside it (``lr_transfer_study.csv`` run 1, ``lr_transfer_study2.csv`` run 2). This
+module holds only the analysis and the criteria stated before each run
+(docs/results/reproductions.md), so ``python -m studies lr_transfer`` and the verdict table
+``studies/verdicts.csv`` that the report reads agree.
 
-LR transfer (seed 004, Loop-muP): per residual rule ("arm") the drift of the optimal lr from
-N = 1 to N = 8 loops, in octaves, with a paired seed bootstrap (:mod:`.optimum`); a rule
-*stays* when its interval lies inside ``(-margin, margin)``, *drifts* when entirely outside.
-The claim holds if 1/sqrt(N) drifts while 1/N and loop-mup stay. The contrast
-``drift(1/sqrt N) - drift(1/N)`` (predicted -1.5) is judged against half the prediction.
-
-Reachability (seed 003): per task x recall x outer norm, how many runs reached a fixed point
-(Picard residual below tolerance), rho and ||dh*/dx|| there, accuracy at more loops than
-trained. Claim A: with outer norm, recall (add, internal) reaches one in >= 85 % of runs
-(fails at <= 50 %); claim B: ||dh*/dx|| <= 1e-8 at every reached no-recall fixed point and
-> 1e-3 at every reached recall one. Superseded by the 64-input study (issue 30.3,
-docs/studies/reachability.md): :func:`study_claims` and :func:`study_summary` judge
-``docs/data/reach_runs.csv`` (reach fraction per run, distinct fixed points, local constancy)
-by the criteria committed before that run.
+Per residual rule ("arm") the drift of the optimal lr from N = 1 to N = 8 loops, in octaves,
+with a paired seed bootstrap (:mod:`studies.optimum`); a rule *stays* when its interval lies
+inside ``(-margin, margin)``, *drifts* when entirely outside. The claim holds if 1/sqrt(N)
+drifts while 1/N and loop-mup stay. The contrast ``drift(1/sqrt N) - drift(1/N)`` (predicted
+-1.5) is judged against half the prediction.
 
 Example::
 
-    cells = pd.read_csv("docs/data/lr_transfer_study2.csv")
+    cells = pd.read_csv("studies/lr_transfer/lr_transfer_study2.csv")
     table = lr_drift(cells, half_width=4)          # arm, drift, ci_low, ci_high, verdict
     lr_claim(table), lr_contrast(cells, half_width=4)["verdict"]
 """
@@ -31,12 +22,11 @@ Example::
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import pandas as pd
 
-from loopprobe.experiments.optimum import (
+from studies.optimum import (
     best_loss_gap,
     classify,
     contrast_interval,
@@ -56,11 +46,6 @@ __all__ = [
     "lr_drift",
     "lr_loop_cost",
     "lr_rule_gap",
-    "reach_outer_norm_effect",
-    "reach_claims",
-    "reach_summary",
-    "study_claims",
-    "study_summary",
 ]
 
 #: Seed 004's bound ||dh_N|| <~ eta eps N makes eta* ~ 1/(eps N): from N = 1 to 8 the optimum
@@ -68,14 +53,7 @@ __all__ = [
 PREDICTED_DRIFT = {"1/sqrt(N)": -1.5, "1/N": 0.0, "loop-mup": 0.0}
 MARGIN = 0.75  # octaves: half the predicted 1/sqrt(N) drift
 MIN_SEEDS = 4  # an optimum's interval from fewer seeds is not a verdict
-CAP_FACTOR = 2.0  # claim A is also judged as if each miss ran this many times the iterations
-#: Claim B as measured: without recall T(h; x) never reads x, so ||dh*/dx|| = 0 by
-#: construction; its zeros are an identity, not evidence for the seed's statement (fixed points
-#: without recall are countable: inputs only select among them), which is not tested here.
-NOT_EVIDENCE = "not tested (zero by construction)"
-REACH_HOLDS, REACH_FAILS = 0.85, 0.5  # claim A: reached fraction with outer norm
-NO_DEPENDENCE, DEPENDENCE = 1e-8, 1e-3  # claim B: ||dh*/dx|| in float64
-#: The LR-transfer runs: cells CSV (under docs/data), the vertex window (grid points each
+#: The LR-transfer runs: cells CSV (beside this module), the vertex window (grid points each
 #: side of the argmin: +-2 octaves on run 1's 1-octave and run 2's half-octave grid) and
 #: whether the contrast criterion was stated before the run (run 1: post hoc).
 LR_RUNS = {
@@ -145,7 +123,7 @@ def lr_contrast(
     """``drift(a) - drift(b)`` with its paired interval and a verdict against half the
     predicted difference: ``differ as predicted`` (interval entirely beyond it),
     ``do not differ as predicted`` (entirely short of it) or ``undecided``. ``estimator``:
-    a vertex estimator for :func:`~loopprobe.experiments.optimum.contrast_interval` (default
+    a vertex estimator for :func:`~studies.optimum.contrast_interval` (default
     the pre-stated argmin window)."""
     out = contrast_interval(_full_seeds(cells, [a, b]), "arm", a, b, n_boot=n_boot,
                             half_width=half_width, seed=1, estimator=estimator)  # fmt: skip
@@ -249,7 +227,7 @@ def lr_divergence(cells: pd.DataFrame) -> dict[str, int]:
 
 def lr_loop_cost(cells: pd.DataFrame, lo: int = 1, hi: int = 8, *, n_boot: int = 2000):
     """Per arm: the loss at its optimum at N = hi minus at N = lo, in nats, paired over seeds
-    (:func:`~loopprobe.experiments.optimum.best_loss_gap`: the least seed-mean loss on the
+    (:func:`~studies.optimum.best_loss_gap`: the least seed-mean loss on the
     grid). Columns ``arm, seeds, best_lo, best_hi, lr_lo, lr_hi, gap, ci_low, ci_high``;
     positive: more loops train worse."""
     rows = []
@@ -273,151 +251,3 @@ def lr_rule_gap(
     verdict = f"{b} better" if g["ci_low"] > 0 else f"{a} better" if g["ci_high"] < 0 else (
         "undecided")  # fmt: skip
     return {**g, "N": N, "verdict": verdict}
-
-
-ALPHA = 0.05  # two-sided Fisher exact test on reached counts (issue 27, stated after the data)
-
-
-def reach_outer_norm_effect(runs: pd.DataFrame) -> pd.DataFrame:
-    """Which factor makes a fixed point reachable, from the reached counts (Fisher's exact
-    test, two-sided): outer norm on against off (every task and recall), and recall (add and
-    internal) against none with outer norm on. Columns ``comparison, with, without, p,
-    verdict``: ``differs`` (p < ALPHA), ``no difference detected`` (p >= ALPHA: not evidence
-    of no difference) or ``undecided (k runs, MIN_RUNS needed)``."""
-    from scipy.stats import fisher_exact
-
-    reached = runs["converged"].astype(bool)
-    outer = runs["outer_norm"].astype(bool)
-    recall = runs["recall"] != "none"
-    rows = []
-    for name, yes, no in (
-        ("outer norm on vs off", outer, ~outer),
-        ("with outer norm: recall (add, internal) vs none", outer & recall, outer & ~recall),
-    ):
-        k1, n1, k0, n0 = int(reached[yes].sum()), int(yes.sum()), int(reached[no].sum()), int(
-            no.sum())  # fmt: skip
-        if min(n1, n0) < MIN_RUNS:
-            p, verdict = math.nan, f"undecided ({min(n1, n0)} runs, {MIN_RUNS} needed)"
-        else:
-            p = float(fisher_exact([[k1, n1 - k1], [k0, n0 - k0]])[1])
-            verdict = "differs" if p < ALPHA else "no difference detected"
-        rows.append({"comparison": name, "with": f"{k1}/{n1}", "without": f"{k0}/{n0}",
-                     "frac_with": k1 / n1 if n1 else math.nan,
-                     "frac_without": k0 / n0 if n0 else math.nan, "p": p,
-                     "verdict": verdict})  # fmt: skip
-    return pd.DataFrame(rows)
-
-
-def reach_summary(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per task x recall x outer norm: runs, reached fixed points, rho (all runs and where
-    reached), ||dh*/dx|| where reached (median, min, max), accuracy at R, 2R and 4R rounds,
-    training steps and how many runs stopped on the plateau rule."""
-    df = runs.copy()
-    reached = df["converged"].astype(bool)
-    df["dep"] = df["input_dependence"].where(reached)
-    df["rho_reached"] = df["spectral_radius"].where(reached)
-    agg = df.groupby(["task", "recall", "outer_norm"], sort=False).agg(
-        runs=("seed", "size"),
-        reached=("converged", "sum"),
-        rho_median=("spectral_radius", "median"),
-        rho_reached_median=("rho_reached", "median"),
-        dep_median=("dep", "median"),
-        dep_min=("dep", "min"),
-        dep_max=("dep", "max"),
-        acc_R4=("acc_R4", "mean"),
-        acc_R8=("acc_R8", "mean"),
-        acc_R16=("acc_R16", "mean"),
-        steps_median=("steps", "median"),
-        train_loss=("train_loss", "mean"),
-        plateaued=("stop", lambda s: int((s != "cap").sum())),
-    )
-    return agg.reset_index()
-
-
-def reach_claims(runs: pd.DataFrame) -> pd.DataFrame:
-    """Claims A and B with what was measured: columns ``claim, measured, expected, verdict``
-    (``holds`` / ``fails`` / ``undecided``)."""
-    reached = runs["converged"].astype(bool)
-    rows = []
-    on = runs[runs["outer_norm"].astype(bool)]
-    fracs = {r: float(on.loc[on["recall"] == r, "converged"].astype(bool).mean())
-             for r in ("add", "internal") if (on["recall"] == r).any()}  # fmt: skip
-    counts = ", ".join(
-        f"{r} {int(on.loc[on['recall'] == r, 'converged'].astype(bool).sum())}/"
-        f"{int((on['recall'] == r).sum())}"
-        for r in fracs
-    )
-    # the same verdict with each miss given more iterations at its own observed rate
-    longer = {r: float(_reached_with(on.loc[on["recall"] == r], CAP_FACTOR).mean())
-              for r in fracs}  # fmt: skip
-    few = {r: int((on["recall"] == r).sum()) for r in fracs}
-    few = {r: n for r, n in few.items() if n < MIN_RUNS}
-    if len(fracs) < 2:
-        verdict = "undecided"
-    elif few:
-        verdict = (
-            f"undecided ({', '.join(f'{r}: {n} runs' for r, n in few.items())}; {MIN_RUNS} needed)"
-        )
-    else:
-        verdict = _claim_a(fracs)
-        if verdict != _claim_a(longer):
-            verdict = (f"undecided (flips with the iteration cap: {verdict} at the cap, "
-                       f"{_claim_a(longer)} with {CAP_FACTOR:g}x the iterations at each "
-                       "miss's observed contraction rate)")  # fmt: skip
-    rows.append({"claim": "A: recall + outer norm reliably reach a fixed point",
-                 "measured": f"reached with outer norm: {counts or 'no runs'}"
-                 + (f"; with {CAP_FACTOR:g}x the iterations at each miss's observed rate: "
-                    + ", ".join(f"{r} {v:.0%}" for r, v in longer.items()) if fracs else ""),
-                 "expected": f">= {REACH_HOLDS:.0%} for add and internal (fails at <= "
-                             f"{REACH_FAILS:.0%})", "verdict": verdict})  # fmt: skip
-    dep = runs["input_dependence"]
-    none = reached & (runs["recall"] == "none")
-    recall = reached & (runs["recall"] != "none")
-    if not none.any() or not recall.any():
-        verdict = "undecided"
-    elif min(none.sum(), recall.sum()) < MIN_RUNS:
-        verdict = (f"undecided ({int(none.sum())} reached without recall, {int(recall.sum())} "
-                   f"with; {MIN_RUNS} each needed)")  # fmt: skip
-    elif (dep[none] <= NO_DEPENDENCE).all() and (dep[recall] > DEPENDENCE).all():
-        verdict = NOT_EVIDENCE
-    else:
-        verdict = "fails"  # a nonzero dependence without recall would be a bug, not a test
-    measured = (
-        f"no recall: max {dep[none].max():.3g} over {int(none.sum())} reached; recall: "
-        f"min {dep[recall].min():.3g} over {int(recall.sum())} reached"
-    )
-    rows.append({"claim": "B: without recall the fixed point does not depend on the input",
-                 "measured": measured, "expected": f"<= {NO_DEPENDENCE:g} without recall, "
-                 f"> {DEPENDENCE:g} with", "verdict": verdict})  # fmt: skip
-    return pd.DataFrame(rows)
-
-
-def _claim_a(fracs: dict) -> str:
-    if min(fracs.values()) <= REACH_FAILS:
-        return "fails"
-    return "holds" if min(fracs.values()) >= REACH_HOLDS else "undecided"
-
-
-def _reached_with(runs: pd.DataFrame, factor: float) -> pd.Series:
-    """Reached, or would reach ``tol`` within ``factor`` x its iteration cap at the
-    contraction rate it showed (residual * rate^k <= tol)."""
-    reached = runs["converged"].astype(bool)
-    if not {"rate", "residual", "tol", "max_iter"} <= set(runs.columns):
-        return reached  # nothing to extrapolate from
-    rate, res = runs["rate"].astype(float), runs["residual"].astype(float)
-    more = (np.log(runs["tol"] / res) / np.log(rate)).where((rate < 1) & (res > 0), np.inf)
-    return reached | (more <= (factor - 1) * runs["max_iter"])
-
-
-from loopprobe.experiments.reach_study import (  # noqa: E402, F401 - the study's part, re-exported
-    MIN_RUNS,
-    STUDY_ACC,
-    STUDY_DISTINCT,
-    STUDY_MIN_REACHED,
-    STUDY_OUTER,
-    STUDY_REACH,
-    STUDY_RECALL,
-    boot_mean,
-    study_claims,
-    study_summary,
-)

@@ -7,11 +7,12 @@ cell trains a fresh model with lp.experiments.lrtransfer.lr_transfer (AdamW, war
 linear decay, clip 1) and is cached per cell in --cache (resumable). Seeds run in order,
 each complete before the next, so an interrupted study leaves whole seeds.
 
-    python scripts/lr_transfer_study.py --cache DIR   # run 2: ~75 CPU-minutes (one thread)
-    python scripts/lr_transfer_study.py --cache DIR --seed0 100 --seeds 6 --out a.csv &
-    python scripts/lr_transfer_study.py --cache DIR --seed0 106 --seeds 6 --out b.csv  # 2 cores
-    python scripts/lr_transfer_study.py --run 1 --cache DIR   # run 1 (exploratory, 120 steps)
-    python scripts/lr_transfer_study.py --quick --cache /tmp/lrq --out /tmp/lrq.csv   # smoke test
+    python -m studies lr_transfer --cache DIR   # run 2: ~75 CPU-minutes (one thread)
+    python -m studies lr_transfer --cache DIR --seed0 100 --seeds 6 --out a.csv &
+    python -m studies lr_transfer --cache DIR --seed0 106 --seeds 6 --out b.csv  # 2 cores
+    python -m studies lr_transfer --run 1 --cache DIR   # run 1 (exploratory, 120 steps)
+    python -m studies lr_transfer --quick --cache /tmp/lrq --out /tmp/lrq.csv   # smoke test
+    python -m studies lr_transfer --analyze   # tables, drift CSVs, figures from the cells
 
 Writes the tidy cells (arm, residual, K, N, lr, seed, loss, ...) to --out after every seed.
 One torch thread.
@@ -29,6 +30,8 @@ from tqdm import tqdm
 from loopprobe import tasks
 from loopprobe.experiments.lrtransfer import lr_transfer
 from loopprobe.models import GPTConfig, LoopedGPT
+from studies import _common
+from studies.lr_transfer import figures
 
 ARMS = {  # arm -> (residual rule, K unique blocks, loop counts run; N = 1 of 1/N is shared)
     "1/sqrt(N)": ("1/sqrt(N)", 1, (1, 8)),
@@ -36,16 +39,19 @@ ARMS = {  # arm -> (residual rule, K unique blocks, loop counts run; N = 1 of 1/
     "loop-mup": ("loop-mup", 2, (1, 8)),
 }
 RUNS = {  # the two designs of the README section (run 2: stated before it ran, fresh seeds)
-    1: {"seed0": 0, "seeds": 8, "steps": 120, "out": "docs/data/lr_transfer_study.csv",
+    1: {"seed0": 0, "seeds": 8, "steps": 120,
+        "out": _common.here(__file__, "lr_transfer_study.csv"),
         "lrs": [1e-3 * 2**k for k in range(7)]},  # 1-octave grid 1e-3 .. 6.4e-2
-    2: {"seed0": 100, "seeds": 12, "steps": 200, "out": "docs/data/lr_transfer_study2.csv",
+    2: {"seed0": 100, "seeds": 12, "steps": 200,
+        "out": _common.here(__file__, "lr_transfer_study2.csv"),
         "lrs": [2.0 ** (k / 2) for k in range(-19, -7)]},  # half-octave grid 2^-9.5 .. 2^-4
 }  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", required=True)
+    ap.add_argument("--cache", help="where each trained cell is cached (needed to train)")
+    ap.add_argument("--analyze", action="store_true", help="no training: tables and figures")
     ap.add_argument("--run", type=int, choices=(1, 2), default=2, help="the design (README)")
     ap.add_argument("--seed0", type=int, default=None, help="first seed (run 1: 0, run 2: 100)")
     ap.add_argument("--seeds", type=int, default=None, help="how many (run 1: 8, run 2: 12)")
@@ -56,7 +62,12 @@ def main() -> None:
     ap.add_argument("--lrs", default=None, help="comma list (default: the run's grid)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="2 lrs, 3 steps, 1 seed")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.analyze:
+        figures.analyze(_common.here(__file__, ""), str(_common.FIGURES))
+        return
+    if a.cache is None:
+        ap.error("--cache DIR is needed to train (or --analyze)")
     for key, value in RUNS[a.run].items():
         if getattr(a, key) is None:
             setattr(a, key, value)

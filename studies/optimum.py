@@ -11,8 +11,9 @@ Why not ``scipy.stats.bootstrap(..., paired=True, method="percentile")``: it dra
 same resamples (``default_rng(seed).integers(0, S, (n_boot, S))``) and gives the same
 interval when every resample has a vertex (tested), but it has no NaN policy: a resample
 whose parabola is not convex or whose vertex leaves the window makes its interval NaN. That
-happens in 5 of the 6 committed drift cells (``docs/data/lr_transfer_drift*.csv``, 0.7 % to
-6.9 % of resamples), so the interval here is over the resamples that have a vertex, and
+happens in 5 of the 6 committed drift cells
+(``studies/lr_transfer/lr_transfer_drift*.csv``, 0.7 % to 6.9 % of resamples), so the
+interval here is over the resamples that have a vertex, and
 their fraction is reported (``boot_valid``).
 
 Example::

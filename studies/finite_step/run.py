@@ -2,9 +2,9 @@
 
 Design and criteria: docs/studies/finite_step.md (committed before the run).
 
-    nice -n 19 python scripts/finite_step_study.py --cache DIR        # a few CPU-minutes
-    python scripts/finite_step_study.py --analyze    # verdicts + figure from the CSV, seconds
-    python scripts/finite_step_study.py --quick --cache /tmp/fq --out /tmp/fq.csv.gz
+    nice -n 19 python -m studies finite_step --cache DIR        # a few CPU-minutes
+    python -m studies finite_step --analyze    # verdicts + figure from the CSV, seconds
+    python -m studies finite_step --quick --cache /tmp/fq --out /tmp/fq.csv.gz
 
 One torch thread. Trains K = 1, R = 4 LoopedGPTs on prefix sums (one cached sweep cell per
 training seed), then loopprobe.estimate.finitestep_summary.failure_summary on 512 held-out
@@ -34,6 +34,7 @@ from loopprobe.estimate.finitestep_summary import (
 from loopprobe.experiments.recall import task_batch
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.sweeps import sweep
+from studies import _common
 
 CRITERIA = {  # pre-registered: statistic, threshold, direction
     "H1 quarter step recovers >= 72%": ("recovery_quarter", 0.72, ">="),
@@ -72,14 +73,14 @@ def run(cfg: dict) -> pd.DataFrame:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", default=None)
-    ap.add_argument("--out", default="docs/data/finite_step_study.csv.gz")
-    ap.add_argument("--fig", default="docs/figures/finite_step_study.png")
+    ap.add_argument("--out", default=_common.here(__file__, "finite_step_study.csv.gz"))
+    ap.add_argument("--fig", default=_common.figure("finite_step_study.png"))
     ap.add_argument("--quick", action="store_true", help="1 seed, 60 steps, 64 inputs")
     ap.add_argument("--analyze", action="store_true", help="only the analysis, from --out")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.analyze:
         return analyze(pd.read_csv(a.out), 2000, a.fig, verdicts_path(a.out))
     torch.set_num_threads(1)

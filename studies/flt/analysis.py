@@ -1,9 +1,9 @@
 """LT vs FLT at 12 loops (issue 30.5): collapse, instability signals and their lead time.
 
-The training runs live in ``scripts/flt_study.py`` (CPU-minutes, outside CI); its long CSV
-(one row per cell and record step) is committed as ``docs/data/flt_study.csv``. This module
-holds only the analysis and the criteria pre-registered in ``docs/studies/flt.md``
-(committed before the study ran).
+The training runs live in ``studies/flt/run.py`` (CPU-minutes, outside CI); its long CSV (one
+row per cell and record step) is committed as ``studies/flt/flt_study.csv``. This module holds
+only the analysis and the criteria pre-registered in ``docs/studies/flt.md`` (committed before
+the study ran).
 
 Per cell (one arm, lr, R and seed; record steps every 10 training steps, diagnostics taken
 before that step's update):
@@ -37,7 +37,7 @@ Claims, with Wilson 95 % intervals over cells (Newcombe's for a difference):
 
 Example::
 
-    cells = pd.read_csv("docs/data/flt_study.csv")
+    cells = pd.read_csv("studies/flt/flt_study.csv")
     events(cells)                 # one row per cell: collapse step, fire steps, leads
     avoids_claim(cells), warns(cells, "oscillation")
 """
@@ -50,7 +50,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from loopprobe.experiments.deeploop import _md, unigram_floor
+from studies.deeploop.analysis import _md, unigram_floor
 
 __all__ = [
     "KEY", "SIGNALS", "avoids", "avoids_claim", "events", "figure", "power_avoids", "power_warns",

@@ -1,14 +1,14 @@
 """The 64-input reachability study (issue 30.3): its pre-stated claims, judged from the runs.
 
 Pre-registered in docs/studies/reachability.md before the run: :func:`study_claims` judges
-``docs/data/reach_runs.csv`` (reach fraction per run over 64 held-out inputs, distinct fixed
-points, local constancy) by the thresholds below with stratified bootstrap intervals
-(:func:`boot_mean`); :func:`study_summary` gives one row per arm. Re-exported by
-:mod:`loopprobe.experiments.reproductions`.
+``studies/reachability/reach_runs.csv`` (reach fraction per run over 64 held-out inputs,
+distinct fixed points, local constancy) by the thresholds below with stratified bootstrap
+intervals (:func:`boot_mean`); :func:`study_summary` gives one row per arm. Both feed the
+verdict table (:mod:`studies.verdicts`).
 
 Example::
 
-    runs = pd.read_csv("docs/data/reach_runs.csv")
+    runs = pd.read_csv("studies/reachability/reach_runs.csv")
     study_claims(runs)[["claim", "verdict"]]
 """
 

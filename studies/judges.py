@@ -1,12 +1,14 @@
-"""Issue 30's pre-registered training studies in the ``reproductions`` section.
+"""Each issue-30 study's judge: its cells -> tables, report verdicts and notes.
 
-Each study's cells are committed under ``docs/data`` and its criteria are fixed in its page
-under ``docs/studies`` (committed before its results). This module applies the study's own
-analysis (:mod:`loopprobe.experiments.deeploop`, ``.lr_edge``, ``.lr_l``, ``.flt``) to the
-cells and turns its verdicts into report verdicts. The finite-step study's 2,000-resample
-paired bootstrap takes half a minute, so its script writes the verdicts next to its cells
-(``finite_step_verdicts.csv``, from ``scripts/finite_step_study.py --analyze``) and the
-report reads them. A study whose CSV is missing is left out with a note.
+Each study's cells are committed in its folder (``studies/<study>/``) and its criteria are
+fixed in its page under ``docs/studies`` (committed before its results). A judge applies the
+study's own analysis (``studies.<study>.analysis``) to the cells and turns its verdicts into
+:class:`~loopprobe.report.verdicts.Verdict` objects. The finite-step study's 2,000-resample
+paired bootstrap takes half a minute, so its driver writes the verdicts next to its cells
+(``finite_step_verdicts.csv``, from ``python -m studies finite_step --analyze``) and the
+judge reads them. A study whose CSV is missing is left out with a note.
+
+A new study: a folder with its driver and analysis, and one entry in :data:`STUDIES`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _verdict(study: str, claim: str, verdict: str, measured: str, page: str) -> 
 
 def deeploop(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     """DeepLoop vs post-norm and DeepNorm across R, and the p-sweep (issue 30.1)."""
-    from loopprobe.experiments import deeploop as dl
+    from studies.deeploop import analysis as dl
 
     cells = pd.read_csv(path)
     table = dl.comparisons(cells)
@@ -56,7 +58,7 @@ def deeploop(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
 
 def lr_edge(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     """The edge learning rate against N under 1/sqrt(N) and 1/N (issue 30.2)."""
-    from loopprobe.experiments import lr_edge as le
+    from studies.lr_edge import analysis as le
 
     cells = pd.read_csv(path)
     e = le.edges(cells)
@@ -73,7 +75,7 @@ def lr_edge(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
 def lr_l(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     """The optimal lr against L and N under Loop-muP (issue 30.2 part 2): the task search,
     and the estimator's verdict once a confirmatory ``lr_l_study.csv`` exists."""
-    from loopprobe.experiments import lr_l as ll
+    from studies.lr_l import analysis as ll
 
     pilot = pd.read_csv(path)
     study = path.with_name("lr_l_study.csv")
@@ -81,8 +83,9 @@ def lr_l(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     title = "LR vs L: task search (N = 8 must beat N = 1 first)"
     return (
         [(title, ll.pilot_table(pilot))],
-        [_verdict("LR vs L", "the optimum depends on L, not N, under 1/(N√L)", v, why,
-                  "lr_l.md")],  # fmt: skip
+        [
+            _verdict("LR vs L", "the optimum depends on L, not N, under 1/(N√L)", v, why, "lr_l.md")
+        ],  # fmt: skip
         [f"LR-vs-L task search: {pilot['cpu_s'].sum() / 60:.1f} CPU-min"],
     )
 
@@ -98,7 +101,7 @@ def finite_step(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
 
 def flt(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     """LT vs the Fully Looped Transformer at 12 loops, and the instability signals (30.5)."""
-    from loopprobe.experiments import flt as fl
+    from studies.flt import analysis as fl
 
     cells = pd.read_csv(path)
     claim = fl.avoids_claim(cells)
@@ -111,7 +114,7 @@ def flt(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     return [], out, []
 
 
-#: study -> (its cells under docs/data, the function that judges them)
+#: study (its folder under studies/) -> (its cells in that folder, the function that judges them)
 STUDIES = {
     "deeploop": ("deeploop_study.csv", deeploop),
     "lr_edge": ("lr_edge_study.csv", lr_edge),
@@ -121,15 +124,17 @@ STUDIES = {
 }
 
 
-def issue30_studies(data: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
-    """Tables, verdicts and notes of every study whose cells are under ``data``."""
+def issue30_studies(root: pathlib.Path) -> tuple[list, list[tuple[str, Verdict]], list[str]]:
+    """Tables, ``(study, verdict)`` pairs and notes of every study whose cells are under
+    ``root/<study>/``."""
     tables, verdicts, notes = [], [], []
     for name, (csv, judge) in STUDIES.items():
-        if not (data / csv).exists():
-            notes.append(f"{name} study: no {csv} under {data}, not judged")
+        path = root / name / csv
+        if not path.exists():
+            notes.append(f"{name} study: no {csv} under {path.parent}, not judged")
             continue
-        t, v, n = judge(data / csv)
+        t, v, n = judge(path)
         tables += t
-        verdicts += v
+        verdicts += [(name, x) for x in v]
         notes += n
     return tables, verdicts, notes

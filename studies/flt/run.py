@@ -13,10 +13,10 @@ consecutive cosine, oscillating sublayers, per-round stream RMS). A seed fixes t
 one by one with lp.sweep in --cache (resumable, seed-major); the long CSV (one row per
 cell and record step) is rewritten after every seed.
 
-    nice -n 19 python scripts/flt_study.py --cache /work/cache/flt     # the study
-    python scripts/flt_study.py --analyze          # tables + figure from the CSV, seconds
-    python scripts/flt_study.py --pilot --cache /work/cache/flt_pilot  # the pilot
-    python scripts/flt_study.py --quick --cache /tmp/fltq --out /tmp/fltq.csv   # smoke
+    nice -n 19 python -m studies flt --cache /work/cache/flt     # the study
+    python -m studies flt --analyze          # tables + figure from the CSV, seconds
+    python -m studies flt --pilot --cache /work/cache/flt_pilot  # the pilot
+    python -m studies flt --quick --cache /tmp/fltq --out /tmp/fltq.csv   # smoke
 
 One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 """
@@ -25,42 +25,27 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 import loopprobe as lp
 from loopprobe import tasks
-from loopprobe.experiments import flt as study
 from loopprobe.experiments.coordcheck import make_optimizer
 from loopprobe.models import FullyLoopedGPT, GPTConfig, LoopedGPT
-from loopprobe.sweeps import sweep
+from studies import _common
+from studies._common import evaluate, val_batches
+from studies.flt import analysis as study
 
 BASE = {"K": 2, "d": 32, "heads": 4, "seq": 32, "batch": 8, "eval_batches": 4, "every": 10,
         "warmup": 20}  # fmt: skip
 STUDY = {"seed0": 100, "seeds": 5, "steps": 300, "lrs": "3e-3,1e-2,3e-2", "arms": "lt,flt",
-         "Rs": "12", "out": "docs/data/flt_study.csv"}  # fmt: skip
+         "Rs": "12", "out": _common.here(__file__, "flt_study.csv")}  # fmt: skip
 PILOT = {"seed0": 0, "seeds": 1, "steps": 300, "lrs": "3e-2,1e-2,3e-3", "arms": "lt,flt",
-         "Rs": "12", "out": "docs/data/flt_pilot.csv"}  # fmt: skip
+         "Rs": "12", "out": _common.here(__file__, "flt_pilot.csv")}  # fmt: skip
 MODELS = {"lt": LoopedGPT, "flt": FullyLoopedGPT}
-
-
-def val_batches(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(123)
-    return [tasks.stdlib_text(cfg["batch"], cfg["seq"], gen, split="val")
-            for _ in range(cfg["eval_batches"])]  # fmt: skip
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list) -> float:
-    model.eval()
-    out = sum(float(tasks.lm_loss(model(x), y)) for x, y in batches) / len(batches)
-    model.train()
-    return out
 
 
 @torch.no_grad()
@@ -145,24 +130,13 @@ def cells_for_seed(seed: int, a: argparse.Namespace) -> list[dict]:
     return [{"arm": arm, "R": R, "lr": lr, **base} for R in a.Rs for lr in a.lrs for arm in a.arms]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", default="/work/cache/flt")
-    ap.add_argument("--pilot", action="store_true", help="the pilot design (lr scan, seed 0)")
-    ap.add_argument("--quick", action="store_true", help="1 seed, 20 steps: a smoke test")
-    ap.add_argument("--analyze", action="store_true", help="no training: tables and figure")
-    ap.add_argument("--seed0", type=int)
-    ap.add_argument("--seeds", type=int)
-    ap.add_argument("--steps", type=int)
+def main(argv: list[str] | None = None) -> None:
+    ap = _common.parser(__doc__, cache="/work/cache/flt", figure=_common.figure("flt_study.png"),
+                        quick="1 seed, 20 steps: a smoke test")  # fmt: skip
     ap.add_argument("--lrs")
     ap.add_argument("--arms")
     ap.add_argument("--Rs")
-    ap.add_argument("--out")
-    ap.add_argument("--figure", default="docs/figures/flt_study.png")
-    a = ap.parse_args()
-    for key, value in (PILOT if a.pilot else STUDY).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    a = _common.apply_design(ap.parse_args(argv), STUDY, PILOT)
     if a.analyze:
         df = pd.read_csv(a.out)
         print(study.summary_markdown(df))
@@ -170,19 +144,13 @@ def main() -> None:
             study.figure(df, a.figure)
             print(f"figure: {a.figure}")
         return
-    torch.set_num_threads(1)
     a.lrs = [float(v) for v in a.lrs.split(",")]
     a.Rs = [int(v) for v in a.Rs.split(",")]
     a.arms = a.arms.split(",")
     if a.quick:
         a.seeds, a.steps = 1, 20
-    frames, df = [], pd.DataFrame()
-    for seed in tqdm(range(a.seed0, a.seed0 + a.seeds), desc="seed", file=sys.stderr):
-        frames.append(sweep(cells_for_seed(seed, a), train_cell, a.cache, progress=True,
-                            name="flt_study"))  # fmt: skip
-        df = pd.concat(frames, ignore_index=True)
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        df.to_csv(a.out, index=False, float_format="%.6g")
+    df = _common.run_seeds(range(a.seed0, a.seed0 + a.seeds), lambda seed: cells_for_seed(seed, a),
+                           train_cell, a.cache, a.out, "flt_study")  # fmt: skip
     print(f"{df.groupby(['arm', 'R', 'lr', 'seed']).ngroups} cells in {a.out}", file=sys.stderr)
 
 

@@ -1,7 +1,7 @@
 """The optimal learning rate against unique layers L and loops N under Loop-muP (issue 30.2).
 
-The training runs live in ``scripts/lr_l_study.py`` (CPU time, outside CI); its cells (one row
-per d, L, N, lr, seed) would be committed as ``docs/data/lr_l_study.csv``. This module holds the
+The training runs live in ``studies/lr_l/run.py`` (CPU time, outside CI); its cells (one row per
+d, L, N, lr, seed) would be committed as ``studies/lr_l/lr_l_study.csv``. This module holds the
 estimator and the criteria fixed in ``docs/studies/lr_l.md`` before any confirmatory cell, and
 the task search's table (``pilot_table``): no pilot task qualified, so ``claim`` is undecided.
 
@@ -23,7 +23,7 @@ log2 eta*(L = 2) - log2 eta*(L = 1) = -1/2.
 
 Example::
 
-    cells = pd.read_csv("docs/data/lr_l_study.csv")
+    cells = pd.read_csv("studies/lr_l/lr_l_study.csv")
     est = estimate(cells)        # optima, contrasts (drift per L, L contrast) with intervals
     verdict(est)                 # ("holds" | "fails" | "undecided", reason)
 """
@@ -35,7 +35,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from loopprobe.experiments.optimum import vertices
+from studies.optimum import vertices
 
 __all__ = [
     "BAND", "LEVEL", "MIN_SEEDS", "N_BOOT", "PREDICTED_L", "QUALIFY_ACC", "QUALIFY_NATS", "cube",
@@ -83,7 +83,7 @@ def cube(cells: pd.DataFrame, chance: float) -> tuple[np.ndarray, list, np.ndarr
 
 def optimum(mean: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Vertex (log2 lr) of the parabola through the argmin of ``mean[..., lr]`` and its
-    neighbours (:func:`loopprobe.experiments.optimum.vertices`, half-width 1), and
+    neighbours (:func:`studies.optimum.vertices`, half-width 1), and
     ``at_edge`` (argmin at the grid's edge: the optimum is that edge lr). A flat or concave
     triple has no vertex: the optimum is the argmin itself."""
     i = np.argmin(mean, axis=-1)

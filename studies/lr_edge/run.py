@@ -10,12 +10,12 @@ A seed fixes the init and the data order. Cells are cached one by one with lp.sw
 (resumable); seed-major, so an interrupted run leaves whole seeds; the CSV is rewritten after
 every seed.
 
-    nice -n 19 python scripts/lr_edge_study.py --cache /work/cache/lr_edge    # the study
-    python scripts/lr_edge_study.py --analyze      # table + figure from the CSV, seconds
-    python scripts/lr_edge_study.py --pilot --cache /work/cache/lr_edge_pilot   # pilot, 100 st
-    python scripts/lr_edge_study.py --pilot --steps 200 --seeds 1 --lrs ... --out ...  # 200 st
-    python scripts/lr_edge_study.py --task-pilot --cache /work/cache/lr_edge_t2pilot  # part 2
-    python scripts/lr_edge_study.py --quick --cache /tmp/leq --out /tmp/leq.csv  # smoke
+    nice -n 19 python -m studies lr_edge --cache /work/cache/lr_edge    # the study
+    python -m studies lr_edge --analyze      # table + figure from the CSV, seconds
+    python -m studies lr_edge --pilot --cache /work/cache/lr_edge_pilot   # pilot, 100 st
+    python -m studies lr_edge --pilot --steps 200 --seeds 1 --lrs ... --out ...  # 200 st
+    python -m studies lr_edge --task-pilot --cache /work/cache/lr_edge_t2pilot  # part 2
+    python -m studies lr_edge --quick --cache /tmp/leq --out /tmp/leq.csv  # smoke
 
 One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 """
@@ -29,29 +29,24 @@ import time
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from loopprobe import tasks
-from loopprobe.experiments import lr_edge
 from loopprobe.experiments.lrtransfer import train_short
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.sweeps import sweep
+from studies import _common
+from studies._common import val_batches
+from studies.lr_edge import analysis as lr_edge
 
 BASE = {"d": 32, "heads": 4, "seq": 32, "batch": 16, "eval_batches": 8}
 SCALINGS = ("1/sqrt(N)", "1/N")
 STUDY = {"seed0": 100, "seeds": 6, "steps": 200, "Ns": "1,2,4,8,16",
          "lrs": ",".join(f"{2.0**k:.6g}" for k in range(-7, 1)),
-         "out": "docs/data/lr_edge_study.csv"}  # fmt: skip
-TASKS_CSV = "docs/data/lr_edge_task_pilot.csv"
+         "out": _common.here(__file__, "lr_edge_study.csv")}  # fmt: skip
+TASKS_CSV = _common.here(__file__, "lr_edge_task_pilot.csv")
 PILOT = {"seed0": 0, "seeds": 2, "steps": 100, "Ns": "1,8",
          "lrs": ",".join(f"{2.0**k:.6g}" for k in range(-10, 1)),
-         "out": "docs/data/lr_edge_pilot.csv"}  # fmt: skip
-
-
-def val_batches(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(123)
-    return [tasks.stdlib_text(cfg["batch"], cfg["seq"], gen, split="val")
-            for _ in range(cfg["eval_batches"])]  # fmt: skip
+         "out": _common.here(__file__, "lr_edge_pilot.csv")}  # fmt: skip
 
 
 def edge_cell(cfg: dict) -> dict:
@@ -131,32 +126,21 @@ def refine_cells(coarse: pd.DataFrame, cells: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", default="/work/cache/lr_edge")
-    ap.add_argument("--pilot", action="store_true", help="the pilot design (seeds 0-1)")
-    ap.add_argument("--quick", action="store_true", help="1 seed, 2 lrs, 3 steps: a smoke test")
-    ap.add_argument("--analyze", action="store_true", help="no training: tables and figure")
+def main(argv: list[str] | None = None) -> None:
+    ap = _common.parser(__doc__, cache="/work/cache/lr_edge", figure=_common.figure("lr_edge.png"),
+                        quick="1 seed, 2 lrs, 3 steps: a smoke test")  # fmt: skip
     ap.add_argument(
         "--task-pilot", action="store_true", help="the part-2 task search of the pilot (1 seed)"
     )
-    ap.add_argument("--seed0", type=int)
-    ap.add_argument("--seeds", type=int)
-    ap.add_argument("--steps", type=int)
     ap.add_argument("--Ns")
     ap.add_argument("--lrs")
-    ap.add_argument("--out")
     ap.add_argument(
         "--no-refine",
         dest="refine",
         action="store_false",
         help="skip the half-octave refinement of each edge bracket",
     )
-    ap.add_argument("--figure", default="docs/figures/lr_edge.png")
-    a = ap.parse_args()
-    for key, value in (PILOT if a.pilot else STUDY).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    a = _common.apply_design(ap.parse_args(argv), STUDY, PILOT)
     if a.analyze:
         report(pd.read_csv(a.out), a.figure, TASKS_CSV)
         return
@@ -164,22 +148,13 @@ def main() -> None:
         torch.set_num_threads(1)
         task_pilot(a.cache, TASKS_CSV)
         return
-    torch.set_num_threads(1)
     a.Ns = [int(n) for n in a.Ns.split(",")]
     a.lrs = [float(x) for x in a.lrs.split(",")]
     if a.quick:
         a.seeds, a.steps, a.lrs = 1, 3, a.lrs[:2]
-    frames = []
-    for seed in tqdm(range(a.seed0, a.seed0 + a.seeds), desc="seed", file=sys.stderr):
-        cells = edge_cells_for_seed(seed, a)
-        coarse = sweep(cells, edge_cell, a.cache, progress=True, name="lr_edge_study")
-        frames.append(coarse)
-        if a.refine:
-            fine = refine_cells(coarse, cells)
-            frames.append(sweep(fine, edge_cell, a.cache, progress=True, name="lr_edge_study"))
-        df = pd.concat(frames, ignore_index=True)
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        df.to_csv(a.out, index=False, float_format="%.6g")
+    df = _common.run_seeds(range(a.seed0, a.seed0 + a.seeds),
+                           lambda seed: edge_cells_for_seed(seed, a), edge_cell, a.cache, a.out,
+                           "lr_edge_study", more=refine_cells if a.refine else None)  # fmt: skip
     print(f"{len(df)} cells in {a.out}", file=sys.stderr)
 
 

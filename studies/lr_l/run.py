@@ -10,10 +10,10 @@ clip 1) and records the held-out loss and accuracy on fixed val batches. A seed 
 and the data order (paired across arms). Cells are cached one by one with lp.sweep in --cache
 (resumable; the same command resumes); seed-major; the CSV is rewritten after every seed.
 
-    nice -n 19 python scripts/lr_l_study.py --cache /work/cache/lr_l     # the study
-    python scripts/lr_l_study.py --analyze        # table, verdict, figure from the CSV, seconds
-    python scripts/lr_l_study.py --pilot NAME     # one exploratory pilot block (PILOTS below)
-    python scripts/lr_l_study.py --quick --cache /tmp/llq --out /tmp/llq.csv   # smoke test
+    nice -n 19 python -m studies lr_l --cache /work/cache/lr_l     # the study
+    python -m studies lr_l --analyze        # table, verdict, figure from the CSV, seconds
+    python -m studies lr_l --pilot NAME     # one exploratory pilot block (PILOTS below)
+    python -m studies lr_l --quick --cache /tmp/llq --out /tmp/llq.csv   # smoke test
 
 One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 """
@@ -27,15 +27,15 @@ import time
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from loopprobe import tasks
-from loopprobe.experiments import lr_l
 from loopprobe.experiments.lrtransfer import train_short
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.sweeps import sweep
+from studies import _common
+from studies.lr_l import analysis as lr_l
 
-PILOT_CSV = "docs/data/lr_l_pilot.csv"
+PILOT_CSV = _common.here(__file__, "lr_l_pilot.csv")
 BASE = {"task": "chase", "m": 8, "hops": 3, "d": 32, "heads": 4, "batch": 32, "eval_batches": 8}
 
 
@@ -130,12 +130,8 @@ def study_items(seed: int, a: argparse.Namespace) -> list[dict]:
 
 def run_study(a: argparse.Namespace) -> None:
     """Seed-major, every cell cached in ``a.cache``; the CSV is rewritten after every seed."""
-    frames = []
-    for seed in tqdm(range(a.seed0, a.seed0 + a.seeds), desc="seed", file=sys.stderr):
-        frames.append(sweep(study_items(seed, a), chase_cell, a.cache, name="lr_l_study"))
-        df = pd.concat(frames, ignore_index=True)
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        df.to_csv(a.out, index=False, float_format="%.6g")
+    df = _common.run_seeds(range(a.seed0, a.seed0 + a.seeds), lambda seed: study_items(seed, a),
+                           chase_cell, a.cache, a.out, "lr_l_study")  # fmt: skip
     print(f"{len(df)} cells in {a.out}", file=sys.stderr)
 
 
@@ -157,7 +153,7 @@ def report(out: str, figure: str) -> None:
     print(f"figure: {figure}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", default="/work/cache/lr_l")
     ap.add_argument("--pilot", help="run one exploratory pilot block into " + PILOT_CSV)
@@ -171,9 +167,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ds", default="32", help="widths, comma-separated")
     ap.add_argument("--lrs", default=",".join(map(str, octaves(-10, -5, 0.5))))
-    ap.add_argument("--out", default="docs/data/lr_l_study.csv")
-    ap.add_argument("--figure", default="docs/figures/lr_l.png")
-    a = ap.parse_args()
+    ap.add_argument("--out", default=_common.here(__file__, "lr_l_study.csv"))
+    ap.add_argument("--figure", default=_common.figure("lr_l.png"))
+    a = ap.parse_args(argv)
     if a.analyze:
         report(a.out, a.figure)
         return

@@ -11,10 +11,10 @@ init draws and the data order, so the arms of a seed are paired. Cells are cache
 with lp.sweep in --cache (resumable, seed-major: an interrupted run leaves whole seeds), and
 the long CSV (one row per cell and checkpoint) is rewritten after every seed.
 
-    nice -n 19 python scripts/deeploop_study.py --cache /work/cache/deeploop   # the study
-    python scripts/deeploop_study.py --analyze       # tables + figure from the CSV, seconds
-    python scripts/deeploop_study.py --pilot --cache /work/cache/deeploop_pilot   # pilot
-    python scripts/deeploop_study.py --quick --cache /tmp/dlq --out /tmp/dlq.csv  # smoke
+    nice -n 19 python -m studies deeploop --cache /work/cache/deeploop   # the study
+    python -m studies deeploop --analyze       # tables + figure from the CSV, seconds
+    python -m studies deeploop --pilot --cache /work/cache/deeploop_pilot   # pilot
+    python -m studies deeploop --quick --cache /tmp/dlq --out /tmp/dlq.csv  # smoke
 
 One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 """
@@ -23,40 +23,25 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from loopprobe import tasks
-from loopprobe.experiments import deeploop as study
 from loopprobe.experiments.coordcheck import make_optimizer
 from loopprobe.models import GPTConfig, LoopedGPT
-from loopprobe.sweeps import sweep
+from studies import _common
+from studies._common import evaluate, val_batches
+from studies.deeploop import analysis as study
 
 BASE = {"K": 2, "d": 32, "heads": 4, "seq": 32, "batch": 16, "eval_batches": 16,
         "checkpoints": 8}  # fmt: skip
 STUDY = {"seed0": 100, "seeds": 12, "p_seeds": 5, "steps": 1000, "lr": 3e-3,
-         "out": "docs/data/deeploop_study.csv"}  # fmt: skip
+         "out": _common.here(__file__, "deeploop_study.csv")}  # fmt: skip
 PILOT = {"seed0": 0, "seeds": 3, "p_seeds": 0, "steps": 1000, "lr": 3e-3,
-         "out": "docs/data/deeploop_pilot.csv"}  # fmt: skip
-
-
-def val_batches(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(123)
-    return [tasks.stdlib_text(cfg["batch"], cfg["seq"], gen, split="val")
-            for _ in range(cfg["eval_batches"])]  # fmt: skip
-
-
-@torch.no_grad()
-def evaluate(model: LoopedGPT, batches: list) -> float:
-    model.eval()
-    out = sum(float(tasks.lm_loss(model(x), y)) for x, y in batches) / len(batches)
-    model.train()
-    return out
+         "out": _common.here(__file__, "deeploop_pilot.csv")}  # fmt: skip
 
 
 def train_cell(cfg: dict) -> list[dict]:
@@ -119,39 +104,23 @@ def cells_for_seed(seed: int, a: argparse.Namespace, with_p: bool) -> list[dict]
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", default="/work/cache/deeploop")
-    ap.add_argument("--pilot", action="store_true", help="the pilot design (seeds 0-2)")
-    ap.add_argument("--quick", action="store_true", help="1 seed, 6 steps: a smoke test")
-    ap.add_argument("--analyze", action="store_true", help="no training: tables and figure")
-    ap.add_argument("--seed0", type=int)
-    ap.add_argument("--seeds", type=int, help="how many seeds of the three-arm grid")
+def main(argv: list[str] | None = None) -> None:
+    ap = _common.parser(__doc__, cache="/work/cache/deeploop",
+                        figure=_common.figure("deeploop_study.png"),
+                        quick="1 seed, 6 steps: a smoke test")  # fmt: skip
     ap.add_argument("--p-seeds", type=int, dest="p_seeds", help="seeds that also run the p-sweep")
-    ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float)
     ap.add_argument("--Rs", default=",".join(map(str, study.RS)))
-    ap.add_argument("--out")
-    ap.add_argument("--figure", default="docs/figures/deeploop_study.png")
-    a = ap.parse_args()
-    for key, value in (PILOT if a.pilot else STUDY).items():
-        if getattr(a, key) is None:
-            setattr(a, key, value)
+    a = _common.apply_design(ap.parse_args(argv), STUDY, PILOT)
     if a.analyze:
         report(pd.read_csv(a.out), a.figure)
         return
-    torch.set_num_threads(1)
     a.Rs = [int(r) for r in a.Rs.split(",")]
     if a.quick:
         a.seeds, a.p_seeds, a.steps = 1, 1, 6
-    frames = []
     seeds = range(a.seed0, a.seed0 + a.seeds)
-    for i, seed in enumerate(tqdm(seeds, desc="seed", file=sys.stderr)):
-        cells = cells_for_seed(seed, a, with_p=i < a.p_seeds)
-        frames.append(sweep(cells, train_cell, a.cache, progress=True, name="deeploop_study"))
-        df = pd.concat(frames, ignore_index=True)
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        df.to_csv(a.out, index=False, float_format="%.6g")
+    df = _common.run_seeds(seeds, lambda seed: cells_for_seed(seed, a, seed - a.seed0 < a.p_seeds),
+                           train_cell, a.cache, a.out, "deeploop_study")  # fmt: skip
     print(f"{len(df[df['final']])} cells in {a.out}", file=sys.stderr)
 
 

@@ -13,10 +13,14 @@ the cap from the observed contraction rate, rho at reached points, distinct fixe
 local constancy) and the accuracy at R and 4R rounds on 512 fresh examples. The criteria
 were committed before the run (docs/studies/reachability.md). Cells are cached (resumable).
 
-    nice -n 19 python scripts/reachability_study.py --cache DIR   # ~20 CPU-minutes
-    python scripts/reachability_study.py --quick --cache /tmp/rq --out /tmp/rq.csv
+    nice -n 19 python -m studies reachability --cache DIR   # ~20 CPU-minutes
+    python -m studies reachability --quick --cache /tmp/rq --out /tmp/rq.csv
+    python -m studies reachability --analyze   # both studies' tables, summaries, figures
 
-One torch thread. Writes one row per run to --out (docs/data/reach_runs.csv).
+Issue 17's earlier recall-variant study (``reachability_study.csv``) was trained by
+:func:`loopprobe.experiments.recall_study`; ``--analyze`` judges it too.
+
+One torch thread. Writes one row per run to --out (``reach_runs.csv`` beside this driver).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import torch.nn.functional as F
 from loopprobe.experiments.recall import TASKS, reach_probe, task_batch
 from loopprobe.models import GPTConfig, LoopedGPT
 from loopprobe.sweeps import sweep
+from studies import _common
+from studies.reachability import figures
 
 STUDY_RECALLS = ("none", "add", "internal")
 
@@ -113,15 +119,21 @@ def run(cfg: dict) -> dict:
 run.version = 2
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache", required=True)
-    ap.add_argument("--out", default="docs/data/reach_runs.csv")
+    ap.add_argument("--cache", help="where each trained run is cached (needed to train)")
+    ap.add_argument("--analyze", action="store_true", help="no training: tables and figures")
+    ap.add_argument("--out", default=_common.here(__file__, "reach_runs.csv"))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cap", type=int, default=600)
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 task, 60 steps, 8 inputs")
     ap.add_argument("--limit", type=int, help="only the first LIMIT cells (seed-major order)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.analyze:
+        figures.analyze(_common.here(__file__, ""), str(_common.FIGURES))
+        return
+    if a.cache is None:
+        ap.error("--cache DIR is needed to train (or --analyze)")
     torch.set_num_threads(1)
     base = {"d_model": 32, "R": 4, "seq_len": 16, "batch": 32, "lr": 3e-3, "window": 50,
             "patience": 4, "rel": 0.02, "stage": 100, "cap": a.cap, "inputs": 64,

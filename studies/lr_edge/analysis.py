@@ -1,8 +1,8 @@
 """The edge learning rate against loop count (issue 30.2): edges, slopes, verdict.
 
-The training runs live in ``scripts/lr_edge_study.py`` (CPU time, outside CI); its cells
-(one row per scaling, N, lr, seed) are committed as ``docs/data/lr_edge_study.csv``. This
-module holds only the analysis and the criteria pre-registered in ``docs/studies/lr_edge.md``
+The training runs live in ``studies/lr_edge/run.py`` (CPU time, outside CI); its cells (one row
+per scaling, N, lr, seed) are committed as ``studies/lr_edge/lr_edge_study.csv``. This module
+holds only the analysis and the criteria pre-registered in ``docs/studies/lr_edge.md``
 (committed before the study ran).
 
 Theory (seed 004, Theorem 2): for h <- h + eps f(h) looped N times with Adam-like updates,
@@ -27,7 +27,7 @@ log2 eta_edge on log2 N under ``1/sqrt(N)``, slope 0 under ``1/N``.
 
 Example::
 
-    cells = pd.read_csv("docs/data/lr_edge_study.csv")
+    cells = pd.read_csv("studies/lr_edge/lr_edge_study.csv")
     e = edges(cells)             # scaling, N, seed, log2_edge, lo, hi, censored, ...
     s = slopes(e)                # scaling, slope, ci_low, ci_high, n_seeds, ...
     verdict(e, s)                # ("holds" | "fails" | "undecided", reason)
@@ -59,7 +59,7 @@ N_BOOT = 4000
 def _floor(floor: float | None) -> float:
     if floor is not None:
         return float(floor)
-    from loopprobe.experiments.deeploop import unigram_floor
+    from studies.deeploop.analysis import unigram_floor
 
     return unigram_floor()
 

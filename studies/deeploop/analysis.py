@@ -1,7 +1,7 @@
 """DeepLoop against its baselines across R (issue 30.1): paired intervals, verdicts, p-sweep.
 
-The training runs live in ``scripts/deeploop_study.py`` (CPU-hours, outside CI); its long
-CSV (one row per cell and checkpoint) is committed as ``docs/data/deeploop_study.csv``. This
+The training runs live in ``studies/deeploop/run.py`` (CPU-hours, outside CI); its long CSV (one
+row per cell and checkpoint) is committed as ``studies/deeploop/deeploop_study.csv``. This
 module holds only the analysis and the criteria pre-registered in ``docs/studies/deeploop.md``
 (committed before the study ran).
 
@@ -23,7 +23,7 @@ counts, per exponent p at R = 3, the seeds whose held-out loss escaped the unigr
 
 Example::
 
-    cells = pd.read_csv("docs/data/deeploop_study.csv")
+    cells = pd.read_csv("studies/deeploop/deeploop_study.csv")
     table = comparisons(cells)          # baseline, R, n, diff, ci_low, ci_high, verdict, ...
     claim(table, "post"), p_boundary(p_sweep(cells))
 """

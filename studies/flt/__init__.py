@@ -1,0 +1,5 @@
+"""The looped transformer vs the Fully Looped Transformer, and instability signals (30.5).
+
+``run.py`` trains the cells, ``analysis.py`` judges them, ``flt_study.csv`` (and the pilot)
+are the committed cells; pre-registration: docs/studies/flt.md.
+"""
