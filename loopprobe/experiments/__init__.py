@@ -12,7 +12,8 @@ committed cells) live beside the package in the repository's ``studies/`` tree, 
 """
 
 from loopprobe.estimate.instability import InstabilityRecorder, record_training
-from loopprobe.experiments.coordcheck import CoordCheck, coord_check, reference_coord_check
+from loopprobe.experiments.coordcheck import CoordCheck, coord_check
+from loopprobe.experiments.coordcheck_reference import reference_coord_check
 from loopprobe.experiments.growth import reference_growth
 from loopprobe.experiments.lrtransfer import LRTransfer, lr_transfer, reference_lr_transfer
 from loopprobe.experiments.recall import recall_study
