@@ -23,17 +23,27 @@ _CHECKS = (
     "check_bound_slope",
     "check_increment_growth",
     "check_fixed_point_contracts",
+    "check_updates_match_untied_copy",
+    "check_sensitivity_matches_dense_jacobian",
+    "check_spectral_radius_matches_dense",
 )
+#: the module of each check (split by job); the rest live in loopprobe.testing.checks
+_HOME = {
+    "check_probe_leaves_model_unchanged": "loopprobe.testing.unchanged",
+    "check_updates_match_untied_copy": "loopprobe.testing.twins",
+    "check_sensitivity_matches_dense_jacobian": "loopprobe.testing.twins",
+    "check_spectral_radius_matches_dense": "loopprobe.testing.twins",
+}
 _LAZY = ("configs", "settings", "Config", "mean_square_loss", "reference_batch", "PROFILES")
 
 
 def __getattr__(name: str) -> Any:
     """Import a name's module on first use (PEP 562) and keep the name here."""
     if name in _CHECKS:
-        value = getattr(importlib.import_module("loopprobe.testing.checks"), name)
+        home = _HOME.get(name, "loopprobe.testing.checks")
+        value = getattr(importlib.import_module(home), name)
     elif name == "CHECKS":
-        checks = importlib.import_module("loopprobe.testing.checks")
-        value = tuple(getattr(checks, c) for c in _CHECKS)
+        value = tuple(__getattr__(c) for c in _CHECKS)
     elif name in _LAZY:
         try:
             strategies = importlib.import_module("loopprobe.testing.strategies")
@@ -62,7 +72,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
         check_fixed_point_contracts,
         check_increment_growth,
         check_kappa_in_range,
-        check_probe_leaves_model_unchanged,
         check_updates_sum_to_tied_gradient,
     )
     from loopprobe.testing.strategies import (  # noqa: F401
@@ -72,6 +81,14 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
         mean_square_loss,
         reference_batch,
         settings,
+    )
+    from loopprobe.testing.twins import (  # noqa: F401
+        check_sensitivity_matches_dense_jacobian,
+        check_spectral_radius_matches_dense,
+        check_updates_match_untied_copy,
+    )
+    from loopprobe.testing.unchanged import (  # noqa: F401
+        check_probe_leaves_model_unchanged,
     )
 
     CHECKS: tuple = ()

@@ -6,14 +6,17 @@ visit/sublayer when it does not.
 ``output`` are passed through to the probes. ``alpha``/``beta`` default to
 ``model.cfg.alpha``/``.beta`` (1.0 and 1.0 for a plain pre-norm model). Needs neither
 pytest nor hypothesis.
+
+The checks live by job: this module (updates, kappa, the first-order change, the bound,
+increments, fixed points), :mod:`loopprobe.testing.unchanged` (probing leaves the model as
+it was) and :mod:`loopprobe.testing.twins` (the measurements against brute-force twins:
+an untied copy, dense Jacobians).
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,53 +26,12 @@ from torch import nn
 import loopprobe as lp
 from loopprobe._stats import loglog_slope
 from loopprobe.record.types import call_model, seeded
+from loopprobe.testing._common import _blame_model, _fail, _fmt
 from loopprobe.testing._family import rebuilder
 
-
-def _fmt(xs: Sequence[float]) -> str:
-    return "[" + ", ".join(f"{float(x):.4g}" for x in xs) + "]"
-
-
-def _fail(call: str, what: str, figures: str, fix: str = "") -> None:
-    __tracebackhide__ = True  # pytest shows the user's line, not this one
-    msg = f"{call}: {what}\n  {figures}"
-    raise AssertionError(msg + (f"\n  {fix}" if fix else ""))
-
-
-def _own_forward_changes(model: nn.Module, batch: Any, forward: Callable | None) -> list[str]:
-    """What a plain forward of a copy of the model changes in it (nothing, for a sane model)."""
-    import random
-
-    twin = copy.deepcopy(model)
-    before = _snapshot(twin)
-    py, npy = random.getstate(), np.random.get_state()
-    try:
-        with torch.no_grad(), torch.random.fork_rng():
-            call_model(twin, copy.deepcopy(batch), forward)
-        # torch's RNG is forked here; the global ones a forward draws from are the model's
-        return [d for d in _differences(before, twin) if "torch's" not in d or "RNG" not in d]
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-
-
-@contextmanager
-def _blame_model(call: str, model: nn.Module, batch: Any, forward: Callable | None) -> Iterator:
-    """A probe that crashes because the model's own forward writes its parameters (a block
-    re-initialised at every visit) becomes an AssertionError that says so."""
-    try:
-        yield
-    except RuntimeError as exc:
-        own = _own_forward_changes(model, batch, forward)
-        if not own:
-            raise
-        raise AssertionError(
-            f"{call}: the model's own forward changes its state, so no derivative of it is "
-            f"meaningful (a block re-initialised at every visit?)\n  a plain forward changed: "
-            + "; ".join(own[:4])
-            + f"\n  (the probe stopped with: {str(exc).splitlines()[0][:160]})"
-        ) from exc
-
+# kept importable from here: the lp_unchanged fixture and older tests use these names
+from loopprobe.testing._snapshot import _differences, _snapshot  # noqa: F401
+from loopprobe.testing.unchanged import check_probe_leaves_model_unchanged  # noqa: F401
 
 # ------------------------------------------------------------------- per-visit updates
 
@@ -163,210 +125,6 @@ def check_kappa_in_range(
             "raise max_iter= or probe the model in float64",
         )
     return rep
-
-
-# ---------------------------------------------------------------------- model unchanged
-
-
-#: the hook dicts of a module that a probe may add to (and must empty again)
-_MODULE_HOOKS = (
-    ("_forward_pre_hooks", "forward pre-hook"),
-    ("_forward_hooks", "forward hook"),
-    ("_backward_pre_hooks", "backward pre-hook"),
-    ("_backward_hooks", "backward hook"),
-    ("_state_dict_pre_hooks", "state-dict pre-hook"),
-    ("_state_dict_hooks", "state-dict hook"),
-    ("_load_state_dict_pre_hooks", "load-state-dict pre-hook"),
-    ("_load_state_dict_post_hooks", "load-state-dict post-hook"),
-)
-#: torch's hooks on every module (``nn.modules.module.register_module_*_hook``)
-_GLOBAL_HOOKS = (
-    "_global_forward_pre_hooks",
-    "_global_forward_hooks",
-    "_global_backward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_module_registration_hooks",
-    "_global_parameter_registration_hooks",
-    "_global_buffer_registration_hooks",
-)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bytes: equal exactly when the values are bitwise equal (a NaN
-    equals itself, -0.0 differs from 0.0, as ``torch.equal`` does not say)."""
-    t = t.detach()
-    try:
-        return t.contiguous().reshape(-1).view(torch.uint8)
-    except RuntimeError:  # a layout without a byte view (sparse, quantized): by value
-        return t
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal, with the same dtype, shape and device."""
-    if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
-        return False
-    return bool(torch.equal(_bits(a), _bits(b)))
-
-
-def _hook_keys(hooks: Any) -> frozenset:
-    return frozenset(hooks.keys()) if hooks else frozenset()
-
-
-def _rng_state() -> dict:
-    """torch's CPU (and, once initialised, CUDA) RNG, Python's and numpy's global RNG."""
-    import random
-
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": (np_state[0], np_state[1].tobytes(), *np_state[2:]),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _snapshot(model: nn.Module) -> dict:
-    """Everything of ``model`` a probe must leave as it was, copied (values bitwise)."""
-    from torch.nn.modules import module as torch_module
-
-    named = [*model.named_parameters(), *model.named_buffers()]
-    return {
-        "objects": dict(named),
-        "values": {k: v.detach().clone() for k, v in named},
-        "grads": {
-            n: None if p.grad is None else p.grad.detach().clone()
-            for n, p in model.named_parameters()
-        },
-        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
-        "modes": {n: m.training for n, m in model.named_modules()},
-        "hooks": {
-            (n, what): _hook_keys(getattr(m, attr, None))
-            for n, m in model.named_modules()
-            for attr, what in _MODULE_HOOKS
-        }
-        | {
-            (n, what): _hook_keys(getattr(t, attr, None))
-            for n, t in named
-            for attr, what in (
-                ("_backward_hooks", "tensor hook"),
-                ("_post_accumulate_grad_hooks", "post-accumulate-grad hook"),
-            )
-        }
-        | {
-            ("(torch, every module)", attr.strip("_").replace("_", " ")): _hook_keys(
-                getattr(torch_module, attr, None)
-            )
-            for attr in _GLOBAL_HOOKS
-        },
-        "rng": _rng_state(),
-    }
-
-
-def _differences(before: dict, model: nn.Module) -> list[str]:
-    """What changed since ``before`` (:func:`_snapshot`), one phrase per change."""
-    after = _snapshot(model)
-    out = []
-    for k in before["values"].keys() | after["values"].keys():
-        a, b = before["values"].get(k), after["values"].get(k)
-        if a is None or b is None:
-            out.append(f"{k}: {'added' if a is None else 'removed'}")
-        elif before["objects"][k] is not after["objects"][k]:
-            out.append(f"{k}: replaced by another tensor object")
-        elif not _same(a, b):
-            out.append(f"{k}: value changed ({_change(a, b)})")
-    for n, g in before["grads"].items():
-        h = after["grads"].get(n)
-        if (g is None) != (h is None) or (g is not None and not _same(g, h)):
-            was, now = ("None" if x is None else "set" for x in (g, h))
-            out.append(f"{n}.grad changed ({was} -> {now})")
-    for key, what in (("requires_grad", "requires_grad"), ("modes", "train/eval mode")):
-        for n, v in before[key].items():
-            if after[key].get(n) != v:
-                out.append(f"{n or '(model)'}: {what} {v} -> {after[key].get(n)}")
-    for (n, what), keys in before["hooks"].items():
-        now = after["hooks"].get((n, what), frozenset())
-        if now != keys:
-            change = f"{len(keys)} hooks -> {len(now)}" if len(now) != len(keys) else "replaced"
-            out.append(f"{n or '(model)'}: {change} ({what})")
-    for name, state in before["rng"].items():
-        now = after["rng"].get(name)
-        same = all(map(torch.equal, state, now)) if name == "cuda" else _rng_equal(state, now)
-        if not same:
-            out.append(f"{_RNG_NAMES[name]} advanced")
-    return out
-
-
-_RNG_NAMES = {
-    "torch": "torch's global RNG state",
-    "cuda": "torch's CUDA RNG state",
-    "python": "Python's global random state",
-    "numpy": "numpy's global random state",
-}
-
-
-def _rng_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return bool(torch.equal(a, b))
-    return a == b
-
-
-def _change(a: torch.Tensor, b: torch.Tensor) -> str:
-    """How a value changed: which entries differ bitwise and by how much at most."""
-    if (a.dtype, a.shape, a.device) != (b.dtype, b.shape, b.device):
-        return f"{a.dtype} {tuple(a.shape)} {a.device} -> {b.dtype} {tuple(b.shape)} {b.device}"
-    bits_a, bits_b = _bits(a), _bits(b)
-    if bits_a.dtype == torch.uint8 and a.dtype != torch.uint8:
-        changed = (bits_a != bits_b).reshape(-1, a.element_size()).any(1)
-    else:
-        changed = (a != b).reshape(-1)
-    text = f"{int(changed.sum())} of {a.numel()} entries differ bitwise"
-    if a.is_floating_point() or a.is_complex():
-        wide = torch.complex128 if a.is_complex() else torch.float64
-        diff = (a.reshape(-1)[changed].to(wide) - b.reshape(-1)[changed].to(wide)).abs()
-        text += f", max |diff| {float(diff.max()):.3g}"  # nan when a NaN came or went
-    return text
-
-
-def check_probe_leaves_model_unchanged(
-    model: nn.Module,
-    batch: Any,
-    loss: Callable,
-    *,
-    forward: Callable | None = None,
-    alpha: float | None = None,
-    beta: float | None = None,
-) -> None:
-    """Probing (alignment, one bound step, increments) leaves the model exactly as it was:
-    parameter and buffer values bitwise (NaN payloads and the sign of zero included) with
-    their dtype, shape, device and identity, ``.grad``, ``requires_grad``, train/eval modes,
-    module, tensor and torch-global hooks, and the RNGs (torch's CPU and CUDA, Python's,
-    numpy's).
-
-    When something changed, a plain forward of a copy of the model is run too, to say
-    whether the model's own forward writes its state (a block re-initialised at every
-    visit, a counter buffer) rather than the probe."""
-    __tracebackhide__ = True  # a failure points at the user\'s test line
-    call = "check_probe_leaves_model_unchanged"
-    before = _snapshot(model)
-    with _blame_model(call, model, batch, forward):
-        with lp.attach(model) as probe:
-            lp.bound_check(probe, batch, loss, forward=forward, alpha=alpha, beta=beta)
-        lp.increments(model, batch, forward=forward)
-    diffs = _differences(before, model)
-    if not diffs:
-        return
-    own_diffs = _own_forward_changes(model, batch, forward)
-    cause = (
-        "the model's own forward changes it too (plain forward of a copy: "
-        + "; ".join(own_diffs[:3])
-        + "): e.g. a block re-initialised at every visit; fix the model"
-        if own_diffs
-        else "a plain forward leaves the model as it was, so the probe changed it: "
-        "a loopprobe bug, please report it"
-    )
-    _fail(call, f"{len(diffs)} things changed across probing", "; ".join(diffs[:6]), cause)
 
 
 # ------------------------------------------------------------------ first-order change

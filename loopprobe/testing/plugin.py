@@ -76,7 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 @pytest.fixture
 def lp_unchanged():
     """``with lp_unchanged(model): ...``: assert the block left the model as it was."""
-    from loopprobe.testing.checks import _differences, _snapshot
+    from loopprobe.testing._snapshot import _differences, _snapshot
 
     @contextlib.contextmanager
     def guard(model: torch.nn.Module) -> Iterator[None]:
