@@ -14,7 +14,8 @@ reads in four layers, each importing only the ones before it:
 **Estimate** (:mod:`loopprobe.estimate`): the theory's quantities, with ``converged`` and
 ``reason``. Per visit: ``per_visit_updates -> Updates`` (G), ``sensitivity_norms ->
 Sensitivity`` (‖U‖), ``visit_alignment -> AlignmentReport`` (κ_j, κ_R), ``bound_check ->
-BoundCheck`` and ``bound_sweep -> BoundSweep`` (the bound and C), ``increments ->
+BoundCheck`` and ``bound_sweep -> BoundSweep`` (the bound and C), ``step_change ->
+StepChange`` (your optimizer's real step: ΔF per visit and its bound), ``increments ->
 Increments`` and ``growth_sweep -> Growth`` (increment correlation, growth exponent).
 Per round: ``fixed_point -> FixedPoint``, ``round_residuals -> RoundResiduals``,
 ``spectral_radius -> SpectralRadius``, ``input_dependence -> InputDependence``,
@@ -70,6 +71,7 @@ _NAMES = {
     "visit_alignment": "loopprobe.estimate.alignment",
     "bound_check": "loopprobe.estimate.bound",
     "bound_sweep": "loopprobe.estimate.bound",
+    "step_change": "loopprobe.estimate.step_change",
     "increments": "loopprobe.estimate.increments",
     "growth_sweep": "loopprobe.estimate.growth",
     # estimate: per round
@@ -153,6 +155,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.estimate import scaling
     from loopprobe.estimate.alignment import visit_alignment
     from loopprobe.estimate.bound import bound_check, bound_sweep
+    from loopprobe.estimate.step_change import step_change
     from loopprobe.estimate.finitestep import finite_step
     from loopprobe.estimate.fixedpoint import fixed_point, round_residuals, spectral_radius
     from loopprobe.estimate.growth import growth_sweep

@@ -20,6 +20,7 @@ _NAMES = {
     "AlignmentReport": "loopprobe.estimate.alignment",
     "BoundCheck": "loopprobe.estimate.bound",
     "BoundSweep": "loopprobe.estimate.bound",
+    "StepChange": "loopprobe.estimate.step_change",
     "Increments": "loopprobe.estimate.increments",
     "Growth": "loopprobe.estimate.growth",
     "FixedPoint": "loopprobe.estimate.fixedpoint",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.differentiate.visitfn import VisitFunction
     from loopprobe.estimate.alignment import AlignmentReport
     from loopprobe.estimate.bound import BoundCheck, BoundSweep
+    from loopprobe.estimate.step_change import StepChange
     from loopprobe.estimate.finitestep import FiniteStep
     from loopprobe.estimate.fixedpoint import FixedPoint, RoundResiduals, SpectralRadius
     from loopprobe.estimate.growth import Growth

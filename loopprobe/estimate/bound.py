@@ -2,8 +2,10 @@
 
 :func:`bound_check` steps a copy of the parameters (the model never changes), measures
 the relative output change ``||Delta F|| / ||F||`` (first order, one JVP, and the true
-finite change) and compares it with the prediction ``M_g kappa_R (beta/alpha)^2`` built
-from :func:`loopprobe.visit_alignment`; the implied constant is ``C``.
+finite change) and compares it with the prediction for the step's optimizer, built from
+:func:`loopprobe.visit_alignment`: ``M_g kappa_R (beta/alpha)^2`` for SGD (seed 002),
+``J_g kappa_U (beta/alpha)`` for Adam/AdamW (this project's extension); the implied
+constant is ``C``.
 :func:`bound_sweep` repeats it over R and fits log-log slopes. Definitions:
 docs/definitions.md (the bound and C); reference: seed 002, Eq. 13-16, 18, 20-21.
 """
@@ -24,6 +26,13 @@ from loopprobe._stats import loglog_slope
 from loopprobe.autodiff import transform_safe
 from loopprobe.distributed import refuse
 from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
+from loopprobe.estimate.steps import (
+    OptimizerArg,
+    check_optimizer,
+    optimizer_family,
+    optimizer_name,
+    optimizer_step,
+)
 from loopprobe.record.probe import Probe
 from loopprobe.record.session import restored
 from loopprobe.record.types import (
@@ -41,7 +50,12 @@ from loopprobe.record.types import (
 
 @dataclass
 class BoundCheck:
-    """Measured ``||Delta F|| / ||F||`` after one step vs ``M_g kappa_R (beta/alpha)^2``.
+    """Measured ``||Delta F|| / ||F||`` after one step vs the prediction for its optimizer.
+
+    ``family``: ``"sgd"`` (prediction ``M_g kappa_R (beta/alpha)^2``, seed 002), ``"adam"``
+    (``J_g kappa_U (beta/alpha)``, this project's extension; ``kappa_U = max_j ||sum_r U_{r,j}||
+    / max_r ||U_{r,j}||``, ``J_g`` gradient-visible body sublayers) or ``"other"`` (no
+    prediction: NaN). ``prediction_sgd``/``prediction_adam`` hold both forms whatever the step.
 
     ``converged``/``reason`` carry the alignment report's (kappa_R from unconverged norms, or
     from a G whose visit sum is not the tied gradient, is not a prediction; a check that could
@@ -72,6 +86,11 @@ class BoundCheck:
     prediction_sum: float = float("nan")
     prediction_M: float = float("nan")
     dF_roundoff: float = float("nan")
+    family: str = "sgd"
+    kappa_U: float = float("nan")
+    J_g: int = 0
+    prediction_sgd: float = float("nan")
+    prediction_adam: float = float("nan")
     converged: bool = True
     reason: str = ""
     report: AlignmentReport | None = field(default=None, repr=False)
@@ -90,8 +109,8 @@ def bound_check(
     inputs: Any,
     loss_fn: LossFn | None = None,
     *,
-    lr: float = 1e-3,
-    optimizer: str = "sgd",
+    lr: float | None = None,
+    optimizer: OptimizerArg = "sgd",
     scope: str = "looped",
     alpha: float | None = None,
     beta: float | None = None,
@@ -104,25 +123,29 @@ def bound_check(
     """One real optimizer step on a copy of the parameters; the output change it causes.
 
     ``optimizer``: ``"sgd"``, ``"adam"`` or ``"adamw"`` (a fresh ``torch.optim`` optimizer
-    with ``lr``), stepping on detached clones, so the model never changes. ``scope``:
+    with ``lr``, default 1e-3), or the ``torch.optim.Optimizer`` you train with (its real
+    state: a deep copy steps, ``lr`` comes from its param groups); the model and the
+    optimizer never change. ``scope``:
     ``"looped"`` steps only the loop body's parameters (the bound's subject: the
     sublayers with role ``"body"``, whose kappa_R it uses and whose visits M, M_g count;
     embeddings, norms and heads fixed), ``"all"`` every parameter. Measured: the
     first-order change ``||J dtheta|| / ||F||`` (one JVP) and the true finite change
     ``||F(theta + dtheta) - F(theta)|| / ||F||``. ``alpha``/``beta`` default to
     ``model.cfg.alpha``/``.beta``. The prediction uses the gradient-visible count
-    ``M_g`` (equal to M without truncation; seed 002, Eq. 21) and
-    ``C = dF_true / prediction``; ``prediction_sum`` is the finer per-sublayer form
-    ``sum_j R_j kappa_j (beta/alpha)^2`` (Eq. 20). Reference: seed 002, Eq. 13-14, 20.
+    ``M_g`` (equal to M without truncation; seed 002, Eq. 21) for an SGD step and
+    ``J_g kappa_U (beta/alpha)`` for an Adam/AdamW step (docs/definitions.md, "The
+    tied-depth bound under Adam"); ``C = dF_true / prediction``; ``prediction_sum`` is the
+    finer per-sublayer form (``sum_j R_j kappa_j (beta/alpha)^2``, Eq. 20, or ``sum_j
+    kappa^U_j (beta/alpha)``). Reference: seed 002, Eq. 13-14, 20.
     """
     call = "bound_check"
     loss_fn = default_loss(loss_fn, call)  # None: the model's own .loss
     refuse(probe.ranks, call)  # its real step would use this rank's gradient only
     if scope not in ("looped", "all"):
         raise ValueError(f"{call}: scope={scope!r}; choose 'looped' or 'all'")
-    opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    if optimizer not in opt_cls:
-        raise ValueError(f"{call}: optimizer={optimizer!r}; choose one of {list(opt_cls)}")
+    if isinstance(optimizer, str) and lr is None:
+        lr = 1e-3
+    check_optimizer(optimizer, lr, call)
     alpha, beta = _scales(probe.model, alpha, beta, call)
     if report is None:
         report = visit_alignment(
@@ -135,15 +158,14 @@ def bound_check(
         params = list({id(p): p for g in body for p in g.params}.values())
     else:
         params = [p for p in model.parameters()]
+    params = [p for p in params if p.requires_grad]
     with torch.enable_grad(), seeded(seed, params[0].device), restored(model):
         loss = loss_fn(call_model(model, inputs, forward), inputs)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-    new = [p.detach().clone() for p in params]
-    for q, g in zip(new, grads, strict=True):
-        q.grad = torch.zeros_like(q) if g is None else g.detach().clone()
-    opt = opt_cls[optimizer](new, lr=lr)
-    opt.step()
-    delta = [q.detach() - p.detach() for q, p in zip(new, params, strict=True)]
+    delta, step_notes = optimizer_step(params, grads, optimizer, lr, call)
+    new = [p.detach() + d for p, d in zip(params, delta, strict=True)]
+    if not isinstance(optimizer, str):
+        lr = _lr_of(optimizer, params)
 
     def F_of(*values: torch.Tensor) -> torch.Tensor:
         return _output_at(model, params, values, inputs, forward, output, seed)
@@ -165,10 +187,19 @@ def bound_check(
     rows = report.sublayers
     rows = rows[rows.role.eq("body")] if rows.role.eq("body").any() else rows
     M, M_g = int(rows.R.sum()), int(rows.R_g.sum())
-    prediction = M_g * report.kappa * (beta / alpha) ** 2
+    ratio = beta / alpha
+    pred = _predictions(report, rows, M_g, ratio)
+    family = optimizer_family(optimizer)
+    prediction = pred[family]
     roundoff = eps / dF_true if dF_true > 0 else float("inf")
     reasons = [report.reason] if not report.converged else []
     notes = [report.reason] if report.converged and report.reason else []
+    notes += step_notes
+    if family == "other":
+        notes.append(
+            f"no prediction is derived for a {optimizer_name(optimizer)} step (SGD without "
+            "momentum history, Adam and AdamW have one); dF and prediction_sgd/_adam reported"
+        )
     if roundoff > 1e-3:
         reasons.append(
             f"the true change dF/F = {dF_true:.3g} is a difference of two outputs in "
@@ -181,8 +212,8 @@ def bound_check(
         M_g=M_g,
         alpha=alpha,
         beta=beta,
-        lr=lr,
-        optimizer=optimizer,
+        lr=float(lr),
+        optimizer=optimizer_name(optimizer),
         scope=scope,
         F_norm=F_norm,
         dF_first=dF_first,
@@ -191,13 +222,48 @@ def bound_check(
         C=dF_true / prediction,
         C_first=dF_first / prediction,
         kappa_bar=report.kappa_bar,
-        prediction_sum=M_g * report.kappa_bar * (beta / alpha) ** 2,
-        prediction_M=M * report.kappa * (beta / alpha) ** 2,
+        prediction_sum=pred[family + "_sum"],
+        prediction_M=M * report.kappa * ratio**2 if family == "sgd" else float("nan"),
         dF_roundoff=roundoff,
+        family=family,
+        kappa_U=pred["kappa_U"],
+        J_g=pred["J_g"],
+        prediction_sgd=pred["sgd"],
+        prediction_adam=pred["adam"],
         converged=not reasons,
         reason="; ".join(reasons + notes),
         report=report,
     )
+
+
+def _predictions(report: AlignmentReport, rows: pd.DataFrame, M_g: int, ratio: float) -> dict:
+    """Both forms from one alignment report: seed 002's ``M_g kappa_R (beta/alpha)^2`` (SGD)
+    and this project's ``J_g kappa^U_R (beta/alpha)`` (Adam), ``kappa^U_j = ||sum_r U_{r,j}||
+    / max_r ||U_{r,j}||`` over the gradient-visible body sublayers; ``_sum``: per-sublayer
+    sums (Eq. 20 for SGD, ``sum_j kappa^U_j (beta/alpha)`` for Adam). ``other``: NaN."""
+    seen = rows[rows.R_g > 0]
+    kU = seen.U_tied / seen.U_max
+    kappa_U = float(kU.max()) if len(kU) else float("nan")
+    nan = float("nan")
+    return {
+        "sgd": M_g * report.kappa * ratio**2,
+        "sgd_sum": M_g * report.kappa_bar * ratio**2,
+        "adam": len(seen) * kappa_U * ratio,
+        "adam_sum": float(kU.sum()) * ratio,
+        "other": nan,
+        "other_sum": nan,
+        "kappa_U": kappa_U,
+        "J_g": len(seen),
+    }
+
+
+def _lr_of(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> float:
+    """The lr of the first param group holding one of ``params`` (NaN: none holds them)."""
+    ids = {id(p) for p in params}
+    for group in optimizer.param_groups:
+        if any(id(p) in ids for p in group["params"]):
+            return float(group["lr"])
+    return float("nan")
 
 
 def _scales(model: nn.Module, alpha: float | None, beta: float | None, call: str) -> tuple:
