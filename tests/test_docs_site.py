@@ -24,6 +24,7 @@ import subprocess
 import sys
 
 import pytest
+from _browser import measure
 from _liveness import run_alive
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -239,3 +240,19 @@ def test_the_cli_reference_is_each_command_s_own_help(site):
         argv = [sys.executable, "-m", "loopprobe.cli", *([name] if name else []), "--help"]
         want = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT).stdout
         assert any(s.strip() == want.strip() for s in shown), f"loopprobe {name} --help differs"
+
+
+#: the pages a newcomer reads first and the widest ones (tables, code)
+READ_PAGES = ["index.html", "getting-started/index.html", "guides/health/index.html",
+              "definitions/index.html", "results/performance/index.html",
+              "reference/cli/index.html", "studies/deeploop/index.html"]
+
+
+@pytest.mark.parametrize("page", READ_PAGES)
+def test_a_key_page_fits_a_1400px_window_with_every_figure_drawn_and_no_raw_tex(site, page):
+    seen = measure(site / page, width=1400, height=900)
+    assert seen["page_width"] <= 1400 and not seen["overflowing"], seen["overflowing"]
+    assert all(img["drawn"] for img in seen["images"]), seen["images"]
+    tex = re.findall(r".{0,20}[_^]\{.{0,10}", seen["prose"])
+    assert not tex, f"raw TeX (x^{{..}} / x_{{..}}) in the prose: {tex[:3]}"
+
