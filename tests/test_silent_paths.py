@@ -236,3 +236,51 @@ def test_a_generator_a_module_owns_is_not_advanced_and_every_evaluation_draws_th
     h = lp.health(model, x, alpha=1.0, beta=1.0, progress=False)
     assert h.values["kappa"] == pytest.approx(want.kappa, rel=1e-3)
     assert torch.equal(model.drop.gen.get_state(), state), "lp.health advanced model.drop.gen"
+
+
+# ------------------------------------------------------------------------ complex parameters
+
+
+class ComplexMix(nn.Module):
+    """A block mixing features with a complex weight (as spectral / unitary-RNN code does)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(0.3 * torch.randn(d, d, dtype=torch.complex128))
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = h.to(torch.complex128) @ self.w
+        return h + torch.tanh(self.fc(z.real + z.imag))
+
+
+class ComplexLoop(nn.Module):
+    def __init__(self, d: int = 4, R: int = 3) -> None:
+        super().__init__()
+        self.R = R
+        self.inp = nn.Linear(3, d)
+        self.block = ComplexMix(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(self.R):
+            h = self.block(h)
+        return self.head(h)
+
+
+ENTRIES = {
+    "per_visit_updates": lambda probe, x: lp.per_visit_updates(probe, x, squared),
+    "sensitivity_norms": lambda probe, x: lp.sensitivity_norms(probe, x),
+    "visit_alignment": lambda probe, x: lp.visit_alignment(probe, x, squared),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_complex_parameter_is_refused_up_front_naming_it(entry):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = ComplexLoop().double()
+    probe, x = lp.attach(model, sublayers=["block"]), randn(4, 3)
+    with pytest.raises(TypeError, match="parameter 'block.w' of sublayer 'block' is complex"):
+        ENTRIES[entry](probe, x)

@@ -41,7 +41,7 @@ from loopprobe.autodiff import (
     transform_refusal,
 )
 from loopprobe.record.probe import Probe, first_nonfinite_visit
-from loopprobe.record.session import buffer_values, put_back, restored
+from loopprobe.record.session import buffer_values, put_back, real_parameters, restored
 from loopprobe.record.types import Forward, Output, Visit, call_model, pick_output, seeded
 
 
@@ -66,6 +66,7 @@ class VisitJacobian:
     ) -> None:
         self.probe, self.inputs, self.forward, self.output = probe, inputs, forward, output
         self.groups = probe.groups(inputs, forward, seed=seed)
+        real_parameters(call, self.groups)
         self.visits = list(visits)
         self.pos = {v.i: k for k, v in enumerate(self.visits)}
         self.n = [self.groups[v.j].sublayer.numel for v in self.visits]

@@ -54,6 +54,22 @@ class Group:
         return replace(self, sublayer=replace(self.sublayer, index=j))
 
 
+def real_parameters(call: str, groups: Sequence[Group]) -> None:
+    """Refuse, naming it, the first complex parameter of a probed sublayer: G's Gram matrix,
+    ``||U||`` and kappa are defined for real parameters (a complex one needs conjugate
+    transposes throughout, which the estimators do not take)."""
+    for g in groups:
+        for name, p in zip(g.sublayer.param_names, g.params, strict=True):
+            if p.is_complex():
+                raise TypeError(
+                    f"{call}: parameter {name!r} of sublayer {g.sublayer.name!r} is complex "
+                    f"({p.dtype}); per-visit updates, sensitivities and kappa are defined for "
+                    "real parameters only. Hold it as two real parameters and build "
+                    "torch.complex(re, im) in the forward, or leave the sublayer out "
+                    f"(lp.attach(model, exclude=[{g.sublayer.name!r}]))"
+                )
+
+
 def owners_of(model: nn.Module, groups: Sequence[Group]) -> list[list[tuple[nn.Module, str]]]:
     """Per group, every module of ``model`` (with its name) that directly holds one of the
     group's parameters, in module order: one pass over the modules for all groups."""
