@@ -503,8 +503,25 @@ def module_running(model: torch.nn.Module, fn: Callable[[], Any], op: str) -> st
 # --------------------------------------------------------------------------- precision
 
 
+#: Ops that move or select values without arithmetic: they round only when they cast to a
+#: coarser dtype than their inputs (``x.float()`` of a float64 ``x``).
+_MOVES = frozenset(
+    "cat stack clone copy copy_ _to_copy constant_pad_nd expand index index_select gather "
+    "select slice where masked_fill fill_ zero_ zeros_like ones_like full_like empty_like "
+    "repeat flip roll cat_out".split()
+)
+
+
+def _bits(t: Any) -> int:
+    return torch.finfo(t.dtype).bits
+
+
 class _Dtypes(TorchDispatchMode):
-    """Collects the floating dtypes of every tensor an op returns."""
+    """Collects the floating dtypes that an op *rounds* in: the dtypes of what arithmetic on
+    floating inputs returns, and of a move that casts to a coarser dtype. A tensor created
+    without floating inputs (``torch.zeros`` of the default dtype used as a pad), a view, or
+    a copy into a wider dtype rounds nothing, so a float32 zero pad concatenated into a
+    float64 model leaves it a float64 computation."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -512,10 +529,19 @@ class _Dtypes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
+        ins = [t for t in tree_leaves((args, kwargs)) if _floating(t)]
+        if not ins or func.is_view:
+            return out
+        widest = max(_bits(t) for t in ins)
+        moves = func.overloadpacket.__name__ in _MOVES
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if _floating(t) and (not moves or _bits(t) < widest):
                 self.seen.add(t.dtype)
         return out
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 def dtypes_on_path(fn: Callable[[], Any], *, grad: bool = False) -> set[torch.dtype]:

@@ -181,8 +181,9 @@ def add_target_args(
         "--tol",
         type=float,
         default=None,
-        help="stopping tolerance: Lanczos's relative residual (default 1e-6 in float64) or "
-        "power iteration's relative change (1e-10); 1e-5 in float32",
+        help="bound on kappa's error (absolute): every operator norm runs until kappa's "
+        "certified interval is this narrow (default 1e-6 where the model computes in "
+        "float64, 1e-3 in float32)",
     )
     add_json_arg(parser)
 

@@ -21,6 +21,12 @@ Face ``ModelOutput`` and similar; the report says which); ``--loss package.modul
 one, else cross-entropy on random targets for models with ``cfg.vocab_size``, else
 ``0.5 * mean(F^2)``).
 
+``M``, ``M_g`` and the bound count the visits of the loop body only (the sublayers kappa_R
+is over), as ``bound_check`` and ``lp.health`` do: a read-out applied after every round is
+not a visit of the recurrence. The JSON carries ``kappa_err`` (the certified bound on
+kappa_R's error), ``[kappa_lo, kappa_hi]`` (the interval holding the exact kappa_R) and
+``tol`` (the bound asked for; ``--tol``, default from the precision the model computes in).
+
 Exit code 0 also when an estimate did not converge: the text ends ``converged: NO:
 <reason>`` (``(raise --max-iter)`` added when an iteration limit was hit), the JSON has
 ``"converged": false`` and the ``reason``; kappa_R is then not a measurement. Every
@@ -45,6 +51,9 @@ SUBLAYER_KEYS = (
     "R",
     "R_g",
     "kappa",
+    "kappa_err",
+    "kappa_lo",
+    "kappa_hi",
     "U_tied",
     "G_tied",
     "U_max",
@@ -61,6 +70,9 @@ VISIT_KEYS = (
     "i",
     "grad_visible",
     "U_norm",
+    "U_lo",
+    "U_hi",
+    "U_err",
     "G_norm",
     "converged",
     "iterations",
@@ -115,6 +127,10 @@ def build_report(args: argparse.Namespace, target: Any = None) -> dict:
         "R": (args.R or 4) if args.model is None else args.R,
         "norm": args.norm if args.model is None else None,
         "kappa": rep.kappa,
+        "kappa_err": rep.kappa_err,
+        "kappa_lo": rep.kappa_lo,
+        "kappa_hi": rep.kappa_hi,
+        "tol": rep.tol,
         "M": rep.M,
         "M_g": rep.M_g,
         "alpha": target.alpha,
@@ -196,12 +212,16 @@ def format_report(report: dict) -> str:
         f"kappa_R = {_fmt(report['kappa'])} (max over body sublayers; 0 <= kappa_j <= R_j: "
         "R_j when visits align, O(1) when they decorrelate)"
     )
+    lines.append(
+        f"kappa_R error bound {_fmt(report['kappa_err'])} (tol {_fmt(report['tol'])}): the "
+        f"exact kappa_R lies in [{_fmt(report['kappa_lo'])}, {_fmt(report['kappa_hi'])}]"
+    )
     if report["kappa_note"]:
         lines.append(report["kappa_note"])
     if report["bound"] is not None:
         lines.append(f"M_g kappa_R (beta/alpha)^2 = {_fmt(report['bound'])} (seed 002, Eq. 14)")
     if report["converged"]:
-        lines.append("converged: yes (every norm estimate converged; every kappa_j in [0, R_j])")
+        lines.append("converged: yes (kappa_R's error bound within tol; every kappa_j in [0, R_j])")
     else:
         hint = " (raise --max-iter)" if "not converged" in report["reason"] else ""
         lines.append(f"converged: NO: {report['reason']}{hint}")

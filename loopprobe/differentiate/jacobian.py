@@ -72,13 +72,19 @@ class VisitJacobian:
         self.n = [self.groups[v.j].sublayer.numel for v in self.visits]
         self.n_max = max(g.sublayer.numel for g in self.groups)
         p0 = self.groups[0].params[0]
-        self.dtype, self.device = p0.dtype, p0.device
+        # Vectors are held in the widest dtype of the parameters (a float32 gate in a float64
+        # model keeps the float64 parameters' directions exact); each part is cast to its
+        # parameter's dtype in :meth:`unflatten`.
+        every = [p.dtype for g in self.groups for p in g.params if p.is_floating_point()]
+        self.dtype = max(every, key=lambda d: torch.finfo(d).bits, default=p0.dtype)
+        self.device = p0.device
         self.seed, self.call = seed, call
         # Primals are the parameter values themselves (shared, not copied): offset 0.
         self.primals = tuple(
             tuple(p.detach() for p in self.groups[v.j].params) for v in self.visits
         )
         self.shapes = [[p.shape for p in self.groups[v.j].params] for v in self.visits]
+        self.param_dtypes = [[p.dtype for p in self.groups[v.j].params] for v in self.visits]
         self._expected: list[tuple[int, int]] | None = None
         self._vjp_fn = None
         self.F0: torch.Tensor | None = None
@@ -115,6 +121,7 @@ class VisitJacobian:
         sub.n = [self.n[k] for k in ks]
         sub.primals = tuple(self.primals[k] for k in ks)
         sub.shapes = [self.shapes[k] for k in ks]
+        sub.param_dtypes = [self.param_dtypes[k] for k in ks]
         sub._vjp_fn, sub.F0 = None, None
         sub._jvp2, sub._forward_checked = None, False
         sub._vjp_by_transforms()
@@ -334,9 +341,9 @@ class VisitJacobian:
 
     def unflatten(self, k: int, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out, off = [], 0
-        for shape in self.shapes[k]:
+        for shape, dtype in zip(self.shapes[k], self.param_dtypes[k], strict=True):
             n = shape.numel()
-            out.append(t[off : off + n].view(shape))
+            out.append(t[off : off + n].view(shape).to(dtype))
             off += n
         return tuple(out)
 

@@ -37,6 +37,7 @@ from loopprobe.autodiff import lowest_precision
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: public here too
     WARM_VISITS_N,
+    RunContext,
     _estimate,
     _phases,
     _product_groups,
@@ -208,10 +209,14 @@ def sensitivity_norms(
     products than cold starts at the default tolerance, bench_convergence.py --work).
     ``stop`` (replaces ``tol``): a rule over all operators at once, for a quantity computed
     from several norms (:func:`~loopprobe.estimate.alignment.visit_alignment` stops each
-    operator once kappa's error bound is met): ``stop(ops, sigma, residual)`` gets the
+    operator once kappa's error bound is met, :class:`~loopprobe.estimate.kappa_bounds.KappaStop`):
+    ``stop(ops, sigma, residual)`` gets the
     operator numbers still running (a ``LongTensor``, positions in ``Sensitivity.keys``) and
     the latest estimate and relative residual of *every* operator (NaN: not run yet) and
-    returns True for those that may stop; they come back ``converged``.
+    returns True for those that may stop; they come back ``converged``. A rule with a
+    ``bind(run)`` method gets the :class:`~loopprobe.estimate.sensitivity_runs.RunContext`
+    (precision computed in, warm start) before the first product and is replaced by what
+    ``bind`` returns.
     ``narrow`` (default): the visit operators run in groups by visit number r, each with
     offsets at the visits ``(r, .)`` only (:meth:`VisitJacobian.restricted`: one more
     forward per group, and its JVPs and VJPs do only the work from visit r on); ``False``:
@@ -238,8 +243,10 @@ def sensitivity_norms(
     vectors = torch.empty_like(v0)
     if warm_visits is None:
         warm_visits = jac.n_max >= WARM_VISITS_N
-    if hasattr(stop, "warm_visits"):  # a rule that spends differently when it is on
-        stop.warm_visits = bool(warm_visits and start is None)  # type: ignore[union-attr]
+    low = lowest_precision(jac.dtypes)
+    eps = float(torch.finfo(low).eps)
+    if hasattr(stop, "bind"):  # a rule that needs the precision and the warm start
+        stop = stop.bind(RunContext(low, eps, bool(warm_visits and start is None)))
     phases = (
         _phases(visits, keys, narrow) if start is None and warm_visits else [[*range(len(ops))]]
     )
@@ -267,7 +274,6 @@ def sensitivity_norms(
     for phase in phases:  # each from the top vectors of the phases before it
         _warm_start(phase, visits, keys, found, vectors, v0)
         found.update(zip(phase, run(phase), strict=True))
-    eps = float(torch.finfo(lowest_precision(jac.dtypes)).eps)
     check = partial(beaten, jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks)
     left = repair_tops(run, v0, vectors, found, check)
 

@@ -11,7 +11,7 @@ Reference: seed 002, Eq. 12.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -63,6 +63,18 @@ def precision_note(dtypes: set[torch.dtype]) -> tuple[str, bool]:
             False,
         )
     return text, True
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """How a :func:`~loopprobe.estimate.sensitivity.sensitivity_norms` call runs, handed to a
+    stopping rule's ``bind`` before the first product: ``dtype`` the precision the operators
+    are computed in (the coarsest dtype any arithmetic on the path rounds in), ``eps`` its
+    machine epsilon, ``warm_visits`` whether the visits start warm."""
+
+    dtype: torch.dtype
+    eps: float
+    warm_visits: bool
 
 
 #: Relative size of the random part mixed into a warm start from another operator's top
