@@ -7,6 +7,8 @@ that probing leaves the model as it was.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -284,3 +286,33 @@ def test_a_complex_parameter_is_refused_up_front_naming_it(entry):
     probe, x = lp.attach(model, sublayers=["block"]), randn(4, 3)
     with pytest.raises(TypeError, match="parameter 'block.w' of sublayer 'block' is complex"):
         ENTRIES[entry](probe, x)
+
+
+# --------------------------------------------------- an ordinary embedding <-> output-layer tie
+
+
+class TiedIO(nn.Module):
+    """Token embedding tied to the output layer, each wrapped in ``nn.Sequential`` (a head
+    with a norm and a biased projection), a shared residual block looped in between."""
+
+    def __init__(self, V: int = 7, d: int = 4, R: int = 3) -> None:
+        super().__init__()
+        self.R = R
+        self.embed = nn.Sequential(nn.Embedding(V, d), nn.Dropout(0.0))
+        self.block = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+        self.head = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, V))
+        self.head[1].weight = self.embed[0].weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for _ in range(self.R):
+            h = h + self.block(h)
+        return self.head(h)
+
+
+def test_an_embedding_tied_to_the_output_layer_is_not_called_a_partial_tie():
+    model, idx = make(TiedIO), torch.tensor([[1, 4, 2, 6]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table = lp.attach(model).visit_table(idx)
+    assert "block" in set(table["sublayer"]) and not table["note"].astype(bool).any()

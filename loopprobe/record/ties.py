@@ -94,7 +94,9 @@ def with_tie_note(g: Group, ties: list[TieNote]) -> Group:
 def partial_ties(model: nn.Module) -> list[tuple[str, str, list[str], list[str]]]:
     """Pairs of same-class modules whose parameters (all of them, recursively) are partly
     the same objects: ``q.weight`` tied and ``q.bias`` not, or blocks that share their
-    ``mlp`` but not their ``attn``.
+    ``mlp`` but not their ``attn``. A parameter shared under different names in the two
+    (an embedding's weight used as the output layer's, both wrapped in ``nn.Sequential``)
+    is a tie across roles, not a partly tied copy, and is not reported.
 
     Returns ``(module a, module b, shared names, names not shared)`` per pair, names
     relative to the modules, innermost pairs first (where the tie breaks).
@@ -115,6 +117,8 @@ def partial_ties(model: nn.Module) -> list[tuple[str, str, list[str], list[str]]
         if ca is not cb or ia == ib or nb.startswith(na + "."):
             continue
         shared = [pn for pn, i in pb.items() if i in ia]
+        if not any(pa.get(pn) == pb[pn] for pn in shared):
+            continue  # shared across roles (an embedding's weight as the output layer's)
         rest = [pn for pn, i in pa.items() if i not in ib]
         rest += [pn for pn, i in pb.items() if i not in ia and pn not in rest]
         if not _only_norms(model.get_submodule(na), model.get_submodule(nb), rest):
