@@ -316,3 +316,37 @@ def test_an_embedding_tied_to_the_output_layer_is_not_called_a_partial_tie():
         warnings.simplefilter("error")
         table = lp.attach(model).visit_table(idx)
     assert "block" in set(table["sublayer"]) and not table["note"].astype(bool).any()
+
+
+# ------------------------------------------------ discovery cache and class-level state
+
+
+class ClassTiedLoop(nn.Module):
+    """Reuses one block every round when the class attribute ``SHARED`` is set, else runs a
+    stack of distinct blocks (a config some codebases keep on the class)."""
+
+    SHARED = True
+
+    def __init__(self, d: int = 4, R: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(R))
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for r in range(len(self.blocks)):
+            h = h + self.blocks[0 if type(self).SHARED else r](h)
+        return self.head(h)
+
+
+def test_discovery_is_not_reused_when_a_class_attribute_that_steers_the_loop_changed():
+    model, x = make(ClassTiedLoop), randn(2, 3)
+    table = lambda: lp.attach(model).visit_table(x).set_index("sublayer").visits  # noqa: E731
+    assert table().to_dict() == {"blocks.0": 3}
+    ClassTiedLoop.SHARED = False  # now nothing is looped: a fresh discovery says so
+    try:
+        with pytest.raises(ValueError, match="nothing is looped in ClassTiedLoop"):
+            table()
+    finally:
+        ClassTiedLoop.SHARED = True

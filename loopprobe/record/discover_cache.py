@@ -8,7 +8,9 @@ reads:
 
 - the model's structure: every module's name, identity, class and train/eval flag, and
   which parameter and buffer objects it holds (so a replaced submodule, a re-tied or untied
-  parameter, ``load_state_dict(..., assign=True)`` or ``model.eval()`` all miss);
+  parameter, ``load_state_dict(..., assign=True)`` or ``model.eval()`` all miss), its plain
+  attributes, and the class-level attributes of every module class (a forward that branches
+  on ``type(self).SHARED`` takes another path when it changes);
 - the inputs: each tensor's shape, dtype, device, ``requires_grad``, its identity (held by
   a weak reference, so a freed batch whose address is reused cannot hit) and its in-place
   version counter; other leaves by value (int, float, bool, str, None; anything else is not
@@ -44,11 +46,17 @@ _CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, tuple, list[Found]]] =
 
 def structure(model: nn.Module) -> tuple:
     """Per module: name, identity, class, mode, held parameter/buffer objects, its forward
-    and hooks, and its plain attributes (``self.R = 4`` steers a loop as much as a module)."""
+    and hooks, and its plain attributes (``self.R = 4`` steers a loop as much as a module);
+    per class, its class-level attributes (``Model.SHARED = False`` steers it too)."""
     hooks = nn.modules.module
+    classes: dict[type, tuple] = {}
+    for m in model.modules():
+        if type(m) not in classes:
+            classes[type(m)] = _class_state(type(m))
     return (
         tuple(hooks._global_forward_pre_hooks),
         tuple(hooks._global_forward_hooks),
+        tuple(classes.items()),
         *(
             (
                 name,
@@ -70,6 +78,21 @@ def structure(model: nn.Module) -> tuple:
 _MODULE_STATE = {"_parameters", "_buffers", "_modules", "training"} | {
     k for k in vars(nn.Module()) if k.endswith("hooks") or k.startswith("_")
 }
+
+
+def _class_state(cls: type) -> tuple:
+    """The attributes a class and its bases below ``nn.Module`` define, as :func:`_attr` sees
+    them (methods by identity: a patched method is another forward)."""
+    return tuple(
+        (k, _attr(v))
+        for c in cls.__mro__
+        if c not in _TORCH_CLASSES
+        for k, v in vars(c).items()
+        if not (k.startswith("__") and k.endswith("__"))
+    )
+
+
+_TORCH_CLASSES = frozenset(nn.Module.__mro__)
 
 
 def _attr(v: Any) -> Any:
