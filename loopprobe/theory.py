@@ -29,6 +29,9 @@ __all__ = [
     "ALLOWED_NORMS",
     "ALLOWED_RESIDUALS",
     "Scales",
+    "adam_bound",
+    "adam_bound_exponent",
+    "adam_exponent_threshold",
     "aligned_tied_bound",
     "bound",
     "bound_exponent",
@@ -217,6 +220,49 @@ def bound_exponent(p: float, gamma: float) -> float:
     if gamma > 1.0:
         raise ValueError(f"bound_exponent: gamma must lie in [0, 1], got {gamma!r}")
     return 1.0 + gamma - 4.0 * p
+
+
+def adam_bound(J: float, kappa_U: float, ratio: float) -> float:
+    """The one-step output change under Adam/AdamW, ``J kappa^U_R (beta/alpha)`` (up to C_A).
+
+    This project's extension of seed 002 (docs/definitions.md, "The tied-depth bound under
+    Adam"): Adam's step has per-coordinate size about ``lr`` whatever R and ``beta/alpha``,
+    so of the SGD form's two factors ``R (beta/alpha)`` (the summed visit gradients) only
+    the sensitivity's ``kappa^U_R (beta/alpha)`` remains; ``J`` counts the physical
+    sublayers, ``kappa^U_R = max_j ||sum_r U_{r,j}|| / max_r ||U_{r,j}||`` lies in ``[0, R]``.
+    """
+    call = "adam_bound"
+    J = _real(call, "J", J, low=0.0)
+    kappa_U = _real(call, "kappa_U", kappa_U, low=0.0)
+    ratio = _real(call, "ratio", ratio, low=0.0)
+    return J * kappa_U * ratio
+
+
+def adam_bound_exponent(p: float, gamma: float) -> float:
+    """Exponent ``e`` with ``J kappa^U_R (beta/alpha) = Theta(R^e)`` at fixed K: ``gamma - 2p``.
+
+    From ``kappa^U_R = Theta(R^gamma)`` and ``beta/alpha ~ N^(-2p)``: DeepNorm aligned
+    ``1/2`` (where SGD's :func:`bound_exponent` gives 1), DeepLoop aligned ``0``. The change
+    stays O(1) iff ``p >= adam_exponent_threshold(gamma) = gamma / 2``: under alignment the
+    same threshold 1/2 as SGD's, but a deficit below it that grows like ``R^(1 - 2p)``, not
+    ``R^(2 - 4p)``. This project's extension of seed 002 (Eqs. 14-16).
+    """
+    p = _real("adam_bound_exponent", "p", p, low=0.0)
+    gamma = _real("adam_bound_exponent", "gamma", gamma, low=0.0)
+    if gamma > 1.0:
+        raise ValueError(f"adam_bound_exponent: gamma must lie in [0, 1], got {gamma!r}")
+    return gamma - 2.0 * p
+
+
+def adam_exponent_threshold(gamma: float) -> float:
+    """Smallest ``p`` keeping the Adam form bounded in R: ``gamma / 2`` (1/2 when aligned).
+
+    See :func:`adam_bound_exponent`; SGD's threshold is :func:`exponent_threshold`.
+    """
+    gamma = _real("adam_exponent_threshold", "gamma", gamma, low=0.0)
+    if gamma > 1.0:
+        raise ValueError(f"adam_exponent_threshold: gamma must lie in [0, 1], got {gamma!r}")
+    return gamma / 2.0
 
 
 # ------------------------------------------------------------------------ hierarchical

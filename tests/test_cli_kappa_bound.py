@@ -284,3 +284,21 @@ def test_bound_rejects_a_malformed_R_list_through_argparse(capsys):
         main(["bound", "--R", "1,x"])
     assert exc.value.code == 2
     assert "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_bound_with_adamw_states_the_optimizer_and_judges_the_adam_form(capsys):
+    base = ["bound", "--K", "1", "--R", "1,2,4", "--norm", "deepnorm", "--optimizer", "adamw"]
+    out = run_json(capsys, *base, *TINY, *FAST)
+    assert out["optimizer"] == "adamw" and out["family"] == "adam"
+    assert out["prediction_form"] == "J_g kappa_U (beta/alpha)"
+    for r in out["rows"]:
+        assert r["family"] == "adam" and r["J_g"] == 2
+        assert r["prediction"] == pytest.approx(2 * r["kappa_U"] * r["ratio"], rel=1e-12)
+        assert r["prediction_sgd"] == pytest.approx(r["M_g"] * r["kappa"] * r["ratio"] ** 2)
+        assert r["C"] == pytest.approx(r["dF_true"] / r["prediction"], rel=1e-12)
+    assert out["theory"] == {"p": 0.25, "aligned": 0.5, "decorrelated": -0.5}
+    assert "one adamw step" in out["verdicts"][0]["claim"]
+    assert main([*base, *TINY, *FAST]) == 0
+    text = capsys.readouterr().out
+    assert "prediction for adamw: J_g kappa_U (beta/alpha)" in text
+    assert "J_g kU (b/a)" in text and "kappa_U" in text

@@ -199,3 +199,20 @@ def test_bad_optimizer_arguments_name_the_fix():
         lp.bound_check(probe, X, mse, optimizer="lion", alpha=1.0, beta=1.0)
     with pytest.raises(ValueError, match="step_change: scope='body'"):
         lp.step_change(probe, X, mse, scope="body")
+
+
+def test_adam_forms_closed_forms_and_their_exponent_against_scales():
+    from loopprobe import theory
+
+    assert theory.adam_bound_exponent(0.25, 1.0) == 0.5  # DeepNorm aligned: sqrt(R)
+    assert theory.adam_bound_exponent(0.5, 1.0) == 0.0  # DeepLoop aligned: flat
+    assert theory.adam_exponent_threshold(1.0) == 0.5 == theory.exponent_threshold(1.0)
+    assert theory.adam_exponent_threshold(0.0) == 0.0 < theory.exponent_threshold(0.0)
+    for p in (0.25, 0.375, 0.5, 0.625):  # aligned (kappa_U = R), K = 2: slope 1 - 2p in R
+        vals = [theory.adam_bound(4, R, theory.scales(2 * R, "postp", p).ratio) for R in (1, 16)]
+        slope = math.log(vals[1] / vals[0]) / math.log(16)
+        assert slope == pytest.approx(theory.adam_bound_exponent(p, 1.0), abs=1e-12)
+    with pytest.raises(ValueError, match="adam_bound_exponent: gamma must lie in"):
+        theory.adam_bound_exponent(0.5, 1.5)
+    with pytest.raises(TypeError, match="adam_bound: kappa_U must be a real number"):
+        theory.adam_bound(4, "R", 0.1)

@@ -9,10 +9,12 @@ Example::
 For every R: one real optimizer step (SGD by default, on the looped sublayers only) on a
 copy of the parameters of a fresh model at initialization, the measured relative output
 change ``||Delta F|| / ||F||`` (first-order JVP and true finite change), kappa_R, the
-prediction ``M_g kappa_R (beta/alpha)^2`` and the implied constant ``C``; then the fitted
-log-log slopes in R. Theory at fixed K (seed 002, Eq. 14-16): the bound grows like
-``R^(1 + gamma - 4p)`` when ``kappa_R ~ R^gamma``: DeepNorm (p=1/4) slope 1 when aligned,
-DeepLoop (p=1/2) slope 0. ``--model package.module:factory`` is called as ``factory(R)``
+prediction for that optimizer and the implied constant ``C``; then the fitted log-log
+slopes in R. SGD: ``M_g kappa_R (beta/alpha)^2``, growing like ``R^(1 + gamma - 4p)`` when
+``kappa_R ~ R^gamma`` (seed 002, Eq. 14-16): DeepNorm (p=1/4) slope 1 when aligned,
+DeepLoop (p=1/2) slope 0. Adam/AdamW (``--optimizer adamw``): ``J_g kappa_U (beta/alpha)``,
+growing like ``R^(gamma - 2p)`` (this project's extension, docs/definitions.md): DeepNorm
+slope 1/2 when aligned, DeepLoop 0. ``--model package.module:factory`` is called as ``factory(R)``
 for every R; the other model arguments are those of ``loopprobe kappa``.
 """
 
@@ -45,21 +47,35 @@ ROW_KEYS = (
     "C",
     "C_first",
     "prediction_M",
+    "family",
+    "kappa_U",
+    "J_g",
+    "prediction_sgd",
+    "prediction_adam",
     "dF_roundoff",
     "converged",
     "reason",
 )
 
 
+#: the prediction each optimizer family is judged with
+FORMS = {
+    "sgd": "M_g kappa_R (beta/alpha)^2",
+    "adam": "J_g kappa_U (beta/alpha)",
+    "other": "no derived form",
+}
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bound",
-        help="measured ||dF|| after one step vs M kappa_R (beta/alpha)^2 across R, with slopes",
+        help="measured ||dF|| after one step vs its optimizer's bound across R, with slopes",
         description=(
             "Sweep R at fixed K: one real optimizer step per R, the measured relative output "
-            "change (first-order and true), kappa_R, the prediction M_g kappa_R "
-            "(beta/alpha)^2, the constant C = ||dF|| / prediction, and the fitted log-log "
-            "slope of ||dF|| in R (seed 002, Eq. 13-16)."
+            "change (first-order and true), kappa_R, the prediction for the optimizer (SGD: "
+            "M_g kappa_R (beta/alpha)^2, seed 002, Eq. 13-16; Adam/AdamW: J_g kappa_U "
+            "(beta/alpha), this project's extension), the constant C = ||dF|| / prediction, "
+            "and the fitted log-log slope of ||dF|| in R."
         ),
     )
     add_target_args(parser, default_norm="deepnorm", R="list")
@@ -68,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--optimizer",
         choices=UPDATES,
         default="sgd",
-        help="a fresh optimizer's first step (sgd)",
+        help="a fresh optimizer's first step (sgd); adam/adamw are judged with the Adam form",
     )
     parser.add_argument(
         "--scope",
@@ -148,6 +164,8 @@ def _report(args: argparse.Namespace, Rs: list[int], first: object, sweep: objec
         "R": Rs,
         "lr": args.lr,
         "optimizer": args.optimizer,
+        "family": rows[0]["family"],
+        "prediction_form": FORMS[rows[0]["family"]],
         "scope": args.scope,
         "loss_fn": first.describe_loss(),
         "F": first.describe_output(),
@@ -170,7 +188,8 @@ def _verdicts(report: dict) -> list[dict]:
     """The slope of ||dF|| in R against the bound's (kappa measured), and C against a band."""
     from loopprobe.report.verdicts import C_BAND, band_verdict, slope_verdict
 
-    claim = "||dF|| after one step grows in R as M_g kappa_R (beta/alpha)^2 predicts"
+    opt, form = report["optimizer"], report["prediction_form"]
+    claim = f"||dF|| after one {opt} step grows in R as {form} predicts"
     return [
         slope_verdict(
             "bound",
@@ -202,11 +221,8 @@ def _theory_slopes(args: argparse.Namespace) -> dict | None:
     if args.model is not None or args.norm not in ("deepnorm", "deeploop"):
         return None
     p = theory.scales(args.K, args.norm).p
-    return {
-        "p": p,
-        "aligned": theory.bound_exponent(p, 1.0),
-        "decorrelated": theory.bound_exponent(p, 0.0),
-    }
+    exponent = theory.bound_exponent if args.optimizer == "sgd" else theory.adam_bound_exponent
+    return {"p": p, "aligned": exponent(p, 1.0), "decorrelated": exponent(p, 0.0)}
 
 
 def format_report(report: dict) -> str:
@@ -215,15 +231,19 @@ def format_report(report: dict) -> str:
         f"one {report['optimizer']} step, lr={_fmt(report['lr'])}, on "
         + ("the looped sublayers" if report["scope"] == "looped" else "every parameter")
         + f"; loss: {report['loss_fn']}",
+        f"prediction for {report['optimizer']}: {report['prediction_form']}"
+        + ("" if report["family"] == "sgd" else " (this project's Adam form; SGD's in --json)"),
     ]
     if report.get("F"):
         lines.append(f"F: {report['F']}")
-    head = ["R", "M_g", "kappa_R", "beta/alpha", "dF/F (JVP)", "dF/F (true)", "M_g k (b/a)^2", "C"]
+    adam = report["family"] == "adam"
+    head = ["R", "M_g", "kappa_U" if adam else "kappa_R", "beta/alpha", "dF/F (JVP)"]
+    head += ["dF/F (true)", "J_g kU (b/a)" if adam else "M_g k (b/a)^2", "C"]
     rows = [
         [
             str(r["R"]),
             str(r["M_g"]),
-            _fmt(r["kappa"]),
+            _fmt(r["kappa_U"] if adam else r["kappa"]),
             _fmt(r["ratio"]),
             _fmt(r["dF_first"]),
             _fmt(r["dF_true"]),
