@@ -70,7 +70,9 @@ def test_every_check_is_one_row_saying_measured_theory_threshold_verdict_and_kin
         assert set(h.frame.verdict) <= {H.HOLDS, H.FAILS, H.UNKNOWN}
         assert h.frame.predicted.str.len().min() > 0 and h.frame.threshold.str.len().min() > 0
         text = str(h)
-        assert len(h.lines()) == 2 + 2 * len(KINDS) and text.startswith("health of ")
+        assert set(h.frame.reading) <= {H.FINE, H.RISK, H.UNKNOWN}
+        assert h.frame.advice.str.len().min() > 0  # what to change, or what would tell
+        assert len(h.lines()) == 3 + 3 * len(KINDS) and text.startswith("health of ")
         assert "(inference)" in text and "(measurement)" in text
         assert h.converged, h.reason
 

@@ -95,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``loopprobe`` command; Ctrl-C at any point (start-up included) is one line and 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # during start-up; a command's own run is caught in _main
+        print("loopprobe: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the command's parser, so the hint names its --help

@@ -11,7 +11,9 @@ Example::
 
 Writes ``index.html`` (tables, PNG figures, the command behind each figure),
 ``results.json`` and tidy CSVs, and prints a summary table. Exit status: 0, 1 if a
-section failed, 2 on bad input (nothing is computed then).
+section failed, 2 on bad input (nothing is computed then) or when a section named in
+``--sections`` cannot run on the model (the report says why), 130 on Ctrl-C (a folder the
+report created is removed while it holds no file).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import sys
+from typing import Any
 
 from loopprobe.cli._common import add_user_model_args, apply_threads, increment_spec, reference_work
 
@@ -85,7 +90,6 @@ def _cache_of(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from loopprobe import report
-    from loopprobe._threads import work
     from loopprobe.cli._target import NEEDS_MODEL
 
     if args.model is None:
@@ -105,7 +109,39 @@ def run(args: argparse.Namespace) -> int:
         from loopprobe.report.sections_repro import verdict_table
 
         verdict_table(args.studies)
+    made = _missing_folders(args.out)
     report.check_out_dir(args.out)  # before any computation
+    try:
+        return _run(args, report, sections)
+    except KeyboardInterrupt:  # Ctrl-C: leave no empty folder behind (main prints the line)
+        _remove_if_empty(made)
+        raise
+
+
+def _missing_folders(path: str) -> list[str]:
+    """``path`` and its ancestors that do not exist yet (deepest first)."""
+    missing, p = [], os.path.abspath(path)
+    while not os.path.exists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    return missing
+
+
+def _remove_if_empty(made: list[str]) -> None:
+    """Remove the folders the report created, deepest first, while no file is in them."""
+    for folder in made:
+        if any(files for _, _, files in os.walk(folder)):
+            return
+        for root, _, _ in sorted(os.walk(folder), key=lambda w: -len(w[0])):
+            os.rmdir(root)
+
+
+def _run(args: argparse.Namespace, report: Any, sections: list[str] | None) -> int:
+    """The report once the arguments are checked: exit 1 when a section failed, 2 when a
+    section named in ``--sections`` could not run (skipped: the model is not one it
+    applies to), else 0."""
+    from loopprobe._threads import work
+
     _check_plots()
     cfg = report.ReportConfig.quick() if args.quick else report.ReportConfig()
     if args.studies is not None:
@@ -131,7 +167,15 @@ def run(args: argparse.Namespace) -> int:
         command=report.main_command(),
     )
     failed = [k for k, s in results["sections"].items() if s["status"] == "failed"]
-    return 1 if failed else 0
+    if failed:
+        return 1
+    skipped = [k for k in sections or [] if results["sections"][k]["status"] == "skipped"]
+    if skipped:
+        why = "; ".join(f"{k}: {results['sections'][k]['reason']}" for k in skipped)
+        print(f"loopprobe report: error: --sections {','.join(skipped)} could not run ("
+              + " ".join(why.split()) + ")", file=sys.stderr)  # fmt: skip
+        return 2
+    return 0
 
 
 def _check_plots() -> None:

@@ -2,11 +2,15 @@
 
 :func:`health` runs ``visit_alignment`` (κ_j, κ_R, per-visit G), ``increments`` and, when the
 round map is known, ``fixed_point`` and ``spectral_radius`` on one model and batch, and judges
-each reading against the theory with a stated threshold. Each check is a row of
-``Health.frame``: measured, predicted, threshold, verdict (``holds`` / ``does not hold`` /
-``cannot tell``), why, and its *kind*: a ``measurement`` (this model at this R) or an
-``inference`` (an extrapolation in R, under the theory's assumptions). A check that cannot
-run is a ``cannot tell`` row whose ``why`` names the argument that would make it run.
+each reading against a stated threshold. Each check is a row of ``Health.frame``: its
+*reading* for training the model (``fine`` / ``risk`` / ``cannot tell``, with ``advice``: what
+to change, or what would tell), the theory's claim or premise as context (``verdict``:
+``holds`` / ``does not hold`` / ``cannot tell``), measured, predicted, threshold, why, and
+its *kind*: a ``measurement`` (this model at this R) or an ``inference`` (an extrapolation in
+R, under the theory's assumptions). A line decides only when the value's uncertainty (a
+certified interval, or the spread of the cosines it averages) lies on one side of its
+threshold. A check that cannot run is a ``cannot tell`` row whose ``why`` names the argument
+that would make it run.
 
 The checks, their thresholds (the constants, re-exported here) and the rows they write are
 :mod:`loopprobe.estimate.health_checks`; this module runs them and holds the result.
@@ -110,7 +114,7 @@ class Health:
         ]
         for r in self.frame.itertuples():
             out.append(f"[{r.reading}] {r.check} ({r.kind}): {r.measured}")
-            why = f"; {r.why}" if r.why else ""
+            why = f"; {r.why}" if r.why and r.why != r.advice else ""
             out.append(f"    theory: {r.claim}: {r.verdict} ({r.threshold}; {r.predicted}){why}")
             out.append(f"    → {r.advice}")
         counts = self.frame.reading.value_counts()
@@ -136,7 +140,7 @@ def health(
     forward: Forward | None = None,
     output: Output | None = None,
     max_iter: int = 50,
-    tol: float = 1e-4,
+    tol: float | None = None,
     fp_max_iter: int = 100,
     seed: int | None = 0,
     progress: bool = True,
@@ -155,8 +159,9 @@ def health(
     ``increment``: as :func:`lp.increments` takes it (None: ``"auto"``).
     ``sublayers``/``exclude``: as :func:`lp.attach`; a sublayer holding several residual
     branches (a whole attention + MLP block) counts as one visit per round, so name the
-    branches to get the unrolled depth N = M_g / 2 right. ``max_iter``/``tol``: the power
-    iterations behind κ_R; ``fp_max_iter``: Picard steps of the fixed-point check. The model,
+    branches to get the unrolled depth N = M_g / 2 right. ``max_iter``: Lanczos steps per
+    operator norm behind κ_R; ``tol``: the bound on κ_R's error (default from the precision
+    the model computes in, as in :func:`lp.visit_alignment`); ``fp_max_iter``: Picard steps of the fixed-point check. The model,
     its ``.grad``, modes, buffers and torch's RNG are left as they were.
 
     Example::

@@ -213,25 +213,62 @@ def _signature(fn: Callable) -> str:
         return ""
 
 
-def default_loss(loss_fn: LossFn | None, call: str) -> LossFn:
-    """``loss_fn`` (checked by :func:`check_loss`), or when it is ``None`` the loss
-    ``(out, inputs) -> model_loss(out)``, which raises a ``ValueError`` naming ``call`` for
-    an output without a scalar loss."""
-    if loss_fn is not None:
-        return check_loss(loss_fn, call)
+#: the one default-loss rule, as every entry point (lp.health, the CLI, the report) states it
+LOSS_RULE_SHORT = "the model's own .loss, else cross-entropy against drawn tokens, else ½·mean(F²)"
 
-    def own_loss(out: Any, _inputs: Any) -> torch.Tensor:
+
+class DefaultLoss:
+    """The default loss, one rule for every entry point: the model's own scalar ``.loss``
+    (:func:`model_loss`) when its output carries one; else cross-entropy of ``pick(out)``
+    against ``targets`` when loopprobe drew the input tokens (``targets`` given); else
+    ``0.5 * mean(F²)`` with ``F = pick(out)``. ``pick=None`` (an estimator called on its own,
+    with no tensor picker): no fallback, a ``ValueError`` naming ``call`` instead.
+
+    ``used`` names what was actually used (known after the first call); ``label`` is
+    ``used``, or the rule itself before any call.
+    """
+
+    def __init__(self, pick: Output | None = None, targets: Any = None, call: str = "probe"):
+        self.pick, self.targets, self.call, self.used = pick, targets, call, None
+
+    @property
+    def label(self) -> str:
+        return self.used or f"default: {LOSS_RULE_SHORT}"
+
+    def __call__(self, out: Any, _inputs: Any) -> torch.Tensor:
         loss = model_loss(out)
-        if loss is None:
+        if loss is not None:
+            self.used = self.used or "the model's own .loss"
+            return loss
+        if self.pick is None:
             raise ValueError(
-                f"{call}: loss_fn=None uses the loss the model returns itself, but its "
+                f"{self.call}: loss_fn=None uses the loss the model returns itself, but its "
                 f"{type(out).__name__} output has no scalar .loss (a Hugging Face model "
                 "returns one when the batch holds labels); add labels to the batch or pass "
                 "loss_fn=lambda out, inputs: ... returning a scalar"
             )
-        return loss
+        F = self.pick(out)
+        if self.targets is not None:
+            self.used = self.used or "cross-entropy on random tokens"
+            t = self.targets
+            return torch.nn.functional.cross_entropy(F.reshape(-1, F.shape[-1]), t.reshape(-1))
+        self.used = self.used or "0.5 * mean(F^2) (the output has no .loss; pass a loss for yours)"
+        return 0.5 * F.pow(2).mean()
 
-    return own_loss
+
+def loss_label(loss_fn: Any, given: str = "loss_fn") -> str:
+    """What a loss is called in a report: the rule's pick for a :class:`DefaultLoss` (the one
+    actually used), else ``given``."""
+    return loss_fn.label if isinstance(loss_fn, DefaultLoss) else given
+
+
+def default_loss(loss_fn: LossFn | None, call: str) -> LossFn:
+    """``loss_fn`` (checked by :func:`check_loss`), or when it is ``None`` the
+    :class:`DefaultLoss` rule without a tensor picker: the model's own ``.loss``, else a
+    ``ValueError`` naming ``call``."""
+    if loss_fn is not None:
+        return check_loss(loss_fn, call)
+    return DefaultLoss(call=call)
 
 
 def copy_tree(x: Any) -> Any:

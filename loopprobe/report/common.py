@@ -15,7 +15,7 @@ from torch import nn
 import loopprobe
 from loopprobe import tasks
 from loopprobe._io import load_model, load_object
-from loopprobe.record.types import check_loss, model_loss
+from loopprobe.record.types import DefaultLoss, check_loss
 from loopprobe.report.config import ReportConfig, Skip, UserModel
 
 
@@ -61,46 +61,17 @@ def first_tensor(out: Any) -> torch.Tensor:
 # --------------------------------------------------------------------------- the loss rule
 
 
-class DefaultLoss:
-    """The loss when none is given (:data:`loopprobe._io.LOSS_RULE`): the model's own
-    scalar ``.loss`` if its output carries one (:func:`~loopprobe.record.types.model_loss`), else
-    ``fallback``. ``used`` names what was used (known after the first call)."""
-
-    def __init__(self, fallback: Callable[[Any, Any], Any], name: str) -> None:
-        self.fallback, self.name, self.used = fallback, name, None
-
-    def __call__(self, out: Any, inputs: Any) -> Any:
-        loss = model_loss(out)
-        if loss is not None:
-            self.used = self.used or "the model's own .loss"
-            return loss
-        self.used = self.used or self.name
-        return self.fallback(out, inputs)
-
-
 def resolve_loss(
     loss_spec: str | None, pick: Callable[[Any], Any], targets: Any = None
 ) -> tuple[Callable[[Any, Any], Any], str]:
     """The loss of a probe and its name, by :data:`loopprobe._io.LOSS_RULE` (every CLI
-    command and the report): ``--loss`` (imported and
-    checked to take ``(output, inputs)``), else a :class:`DefaultLoss` whose fallback is
-    cross-entropy of ``pick(out)`` against ``targets`` when given, else ``0.5 mean(F^2)``."""
+    command and the report): ``--loss`` (imported and checked to take ``(output, inputs)``),
+    else the one default rule, :class:`~loopprobe.record.types.DefaultLoss` (its ``used``
+    names the loss actually used once it ran)."""
     if loss_spec is not None:
         return check_loss(load_object(loss_spec, "--loss"), f"--loss {loss_spec}"), loss_spec
-    if targets is not None:
-
-        def cross_entropy(out: Any, _inputs: Any) -> Any:
-            logits = pick(out)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-        fallback, name = cross_entropy, "cross-entropy on random tokens"
-    else:
-
-        def half_mean_square(out: Any, _inputs: Any) -> Any:
-            return 0.5 * pick(out).pow(2).mean()
-
-        fallback, name = half_mean_square, "0.5 * mean(F^2) (pass --loss to use yours)"
-    return DefaultLoss(fallback, name), name
+    loss = DefaultLoss(pick, targets, call="loopprobe")
+    return loss, loss.label
 
 
 def _cfg_attr(model: nn.Module, *names: str) -> dict[str, Any] | None:

@@ -114,7 +114,7 @@ def _write(outdir: pathlib.Path, ctx: Context, done: list, command: str, runtime
     config = (
         dataclasses.asdict(ctx.cfg)
         if ctx.user is None
-        else {"model": ctx.user.spec, "inputs": ctx.user.inputs_spec, "loss": ctx.user.loss_name}
+        else {"model": ctx.user.spec, "inputs": ctx.user.inputs_spec, "loss": _loss_used(ctx)}
     )
     config = to_jsonable(config)
     sections = {}
@@ -150,6 +150,11 @@ def _previous_sections(outdir: pathlib.Path, model: str, config: Any) -> dict:
     if old.get("model") != model or old.get("config") != config:
         return {}
     return dict(old.get("sections", {}))
+
+
+def _loss_used(ctx: Context) -> str:
+    """The loss the sections used: the default rule's pick once it ran, else the given name."""
+    return getattr(ctx.user.loss_fn, "used", None) or ctx.user.loss_name
 
 
 def _write_section(

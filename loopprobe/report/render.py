@@ -79,7 +79,7 @@ def _html_table(df: pd.DataFrame) -> str:
     )
 
 
-_VERDICT_CLASS = {HOLDS: "ok", FAILS: "failed", UNKNOWN: "skipped"}
+_VERDICT_CLASS = {HOLDS: "ok", FAILS: "failed", UNKNOWN: "skipped", "fine": "ok", "risk": "failed"}
 
 
 @functools.cache

@@ -33,14 +33,19 @@ def health_section(ctx: Context) -> Result:
             progress=ctx.progress,
         )
     verdicts = [verdict(r) for r in h.frame.to_dict("records")]
-    summary = h.frame[["check", "verdict", "kind", "measured"]]
-    notes = [f"loss: {u.loss_name}", "kind = inference: an extrapolation in R from this one R"]
+    summary = h.frame[["check", "reading", "verdict", "kind", "measured"]]
+    notes = [
+        f"loss: {h.values['loss']}",  # the loss the checks used, as the rule picked it
+        "reading: fine / risk (what to change) / cannot tell (what would tell); the theory's "
+        "claim or premise (aligned, correlated, ...) is context beside it",
+        "kind = inference: an extrapolation in R from this one R",
+    ]
     if not h.converged:
         notes.append(f"not converged: {h.reason}")
     return Result(
         frames={"checks": h.frame},
         tables=[
-            ("Health check: one row per check (measured, theory, threshold, verdict)", h.frame)
+            ("Health check: one row per check (reading, what to do, measured, theory)", h.frame)
         ],
         summary=summary,
         values={
@@ -54,11 +59,13 @@ def health_section(ctx: Context) -> Result:
 
 
 def verdict(row: dict) -> Verdict:
-    """A row of ``Health.frame`` as a report :class:`Verdict` (theory and threshold: expected)."""
-    expected = f"{row['threshold']}; theory: {row['predicted']}"
+    """A row of ``Health.frame`` as a report :class:`Verdict`: its reading (fine / risk /
+    cannot tell) decides; the threshold and the theory's verdict are the context, the advice
+    (what to change, or what would tell) the why."""
+    expected = f"{row['threshold']}; theory: {row['claim']}: {row['verdict']}"
     claim = f"{row['check']}: {row['claim']}"
     return Verdict(
-        "health", claim, row["verdict"], row["measured"], expected, row["why"], row["kind"]
+        "health", claim, row["reading"], row["measured"], expected, row["advice"], row["kind"]
     )
 
 
