@@ -350,3 +350,86 @@ def test_discovery_is_not_reused_when_a_class_attribute_that_steers_the_loop_cha
             table()
     finally:
         ClassTiedLoop.SHARED = True
+
+
+# ------------------------------------------------------------- planted-change catchers
+
+
+class OwnLossOut:
+    """A Hugging Face-style output: logits and the model's own loss."""
+
+    def __init__(self, logits: torch.Tensor, loss: torch.Tensor) -> None:
+        self.logits, self.loss = logits, loss
+
+
+class DecayLoop(nn.Module):
+    """Its own ``.loss`` adds weight decay on every parameter: the shared block's weight is
+    read outside the block's calls, a real part of its tied gradient no visit holds."""
+
+    def __init__(self, d: int = 4, R: int = 3, decay: float = 0.01) -> None:
+        super().__init__()
+        self.R, self.decay = R, decay
+        self.inp = nn.Linear(3, d)
+        self.block = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> OwnLossOut:
+        h = self.inp(x)
+        for _ in range(self.R):
+            h = h + self.block(h)
+        logits = self.head(h)
+        wd = sum(p.pow(2).sum() for p in self.parameters())
+        return OwnLossOut(logits, logits.pow(2).mean() + self.decay * wd)
+
+
+def test_a_parameter_read_outside_its_visits_by_the_models_own_loss_is_flagged_with_its_share():
+    model, x = make(DecayLoop), randn(5, 3)
+    ups = lp.per_visit_updates(lp.attach(model, sublayers=["block"]), x)
+    # the twin: the decay term's gradient against the whole tied gradient, by plain autograd
+    params = list(model.block.parameters())
+    tied = torch.autograd.grad(model(x).loss, params)
+    outside = [2 * model.decay * p.detach() for p in params]
+    share = float(torch.cat([o.reshape(-1) for o in outside]).norm()) / float(
+        torch.cat([t.reshape(-1) for t in tied]).norm()
+    )
+    assert 1e-3 < share < 0.05  # a real share, far above roundoff, far below 1
+    assert ups.outside_share[0] == pytest.approx(share, rel=1e-10)
+    assert not ups.converged and "'block'" in ups.reason and "outside" in ups.reason
+
+
+class SkewedBackward(torch.autograd.Function):
+    """``0.5 x`` whose hand-written backward is off by 1e-3 (its jvp is right): the kind of
+    slip a fused kernel's backward makes."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+        pass
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return 0.5 * (1 + 1e-3) * g
+
+    @staticmethod
+    def jvp(ctx, t: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        return 0.5 * t
+
+
+def test_eigenpairs_from_a_skewed_backward_fail_the_jvp_check_and_are_not_converged():
+    W = randn(6, 6, seed=5) / 3
+    e = randn(6, seed=6)
+    step = lambda h: SkewedBackward.apply(torch.tanh(W @ h + e))  # noqa: E731
+    h = randn(6, seed=7)
+    J = jacrev(lambda s: 0.5 * torch.tanh(W @ s + e))(h)  # the true Jacobian (twin)
+    rho = float(torch.linalg.eigvals(J).abs().max())
+    sr = lp.spectral_radius(step, h, k=2, method="dense")
+    assert sr.value == pytest.approx(rho * (1 + 1e-3), rel=1e-9)  # the pairs of the VJP's J
+    assert not sr.converged and "eigenpair check failed" in sr.reason
+    assert sr.rel_change == pytest.approx(1e-3, rel=1e-2)
+    plain = lp.spectral_radius(lambda s: 0.5 * torch.tanh(W @ s + e), h, k=2, method="dense")
+    assert plain.converged and plain.value == pytest.approx(rho, rel=1e-10)
