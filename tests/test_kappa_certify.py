@@ -182,7 +182,7 @@ def test_a_cast_down_rounds_and_counts_a_view_or_a_wider_copy_does_not():
 
 def test_visit_rows_are_converged_only_when_their_own_norm_is_within_its_bound():
     model, x, names, R = build("padded float64")
-    rep = visit_alignment(lp.attach(model), x, sq, tol=1e-2)
+    rep = visit_alignment(lp.attach(model), x, sq, tol=1e-4)
     twin = copy.deepcopy(model)
     twin.block = Untied(twin.block, R)
     params = {n: p.detach() for n, p in twin.named_parameters()}
@@ -193,9 +193,12 @@ def test_visit_rows_are_converged_only_when_their_own_norm_is_within_its_bound()
         exact = top_sv(torch.cat([J[n].reshape(J[n].shape[0], -1) for n in ks], 1))
         assert row.U_lo <= exact <= row.U_hi
         assert abs(row.U_norm - exact) <= row.U_err * (1 + 1e-9)
-        assert row.converged == (row.U_err <= 1e-2 * row.U_norm)
+        assert row.converged == (row.U_err <= 1e-4 * row.U_norm)
         if row.converged:
-            assert abs(row.U_norm - exact) <= 1e-2 * exact * (1 + 1e-9)
+            assert abs(row.U_norm - exact) <= 1e-4 * exact * (1 + 1e-9)
+    # visits that cannot be the max stop early (their Krylov runs are done) but do not
+    # claim their own value to 1e-4: here r = 1, 2 (relative bounds 1.5e-4, 4.4e-3)
+    assert vis.stopped.all() and not vis.converged.all()
     assert rep.converged, rep.reason
 
 
