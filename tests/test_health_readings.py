@@ -251,3 +251,23 @@ def test_ctrl_c_during_start_up_is_one_line_and_130(capsys, monkeypatch):
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["theory"]) == 130
     assert capsys.readouterr().err == "loopprobe: interrupted\n"
+
+
+def test_two_spectral_radii_in_one_report_say_where_each_was_taken(tmp_path):
+    from loopprobe.cli import main
+
+    out = tmp_path / "r"
+    argv = ["report", "--model", "health_models:loop_expanding", "--inputs"]
+    argv += ["health_models:features", "--sections", "health,fixedpoint,alignment"]
+    assert main([*argv, "--out", str(out), "--no-progress", "--alpha", "1", "--beta", "1"]) == 0
+    res = json.loads((out / "results.json").read_text())["sections"]
+    health_rho = next(v for v in res["health"]["values"]["verdicts"] if "spectral" in v["claim"])
+    assert "at Picard's last iterate" in health_rho["measured"]  # Picard diverges: ρ 1.35
+    variant = res["fixedpoint"]["values"]["variants"][0]  # Anderson finds the unstable h*
+    assert variant["converged"] and variant["method"] == "anderson"
+    assert variant["ρ at"] == "the fixed point" and variant["ρ(∂T/∂h)"] > 1
+    assert any("The health section's ρ" in n for n in res["fixedpoint"]["notes"])
+    fp_verdict = res["fixedpoint"]["values"]["verdicts"][0]["measured"]
+    assert f"at {variant['ρ at']}" in fp_verdict
+    name = res["alignment"]["values"]["kappa_sublayer"]
+    assert name == "cell" and any(f"of {name}" in n for n in res["alignment"]["notes"])

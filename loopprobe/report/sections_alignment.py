@@ -350,6 +350,11 @@ def _alignment_user(ctx: Context) -> Result:
         )  # fmt: skip
     values: dict[str, Any] = {"kappa": rep.kappa, "M": rep.M, "M_g": rep.M_g}
     notes = [f"loss: {getattr(u.loss_fn, 'used', None) or u.loss_name}"]  # the rule's pick
+    kappas = rep.sublayers.dropna(subset=["kappa"])
+    if len(kappas):  # κ_R is the largest κ_j: say whose
+        top = str(kappas.loc[kappas.kappa.idxmax(), "sublayer"])
+        values["kappa_sublayer"] = top
+        notes.append(f"κ_R = {rep.kappa:.4g}: the largest κ_j over sublayers, of {top}")
     if isinstance(chk, Skip):
         notes.append(f"bound check skipped: {chk} (loopprobe report: --alpha and --beta)")
     else:

@@ -72,7 +72,7 @@ def fixedpoint_section(ctx: Context) -> Result:
         traces.append(trace)
         eig.append(ev)
     table = pd.DataFrame(rows)
-    notes = [f"models: {how}"]
+    notes = [f"models: {how}", RHO_NOTE]
     if not table["converged"].all():
         notes.append("input-dependence is measured only where the fixed point was reached")
     R = getattr(getattr(models[0][1], "cfg", None), "R", "?")
@@ -109,6 +109,14 @@ def fixedpoint_section(ctx: Context) -> Result:
             ),
         ],
     )
+
+
+RHO_NOTE = (
+    "ρ(∂T/∂h) is measured at the state named in 'ρ at': the fixed point when one was reached, "
+    "else the last iterate of the method that got furthest (Anderson or Picard), on a float64 "
+    "copy. The health section's ρ is at its own Picard state in the model's dtype; where no "
+    "fixed point exists the two are taken at different states and may differ"
+)
 
 
 def _double(x: Any) -> Any:
@@ -190,6 +198,7 @@ def _probe_round(name: str, model: nn.Module, idx: Any, cfg: ReportConfig, step=
         "rate": fp.rate,
         "ρ(∂T/∂h)": sr.value,
         "ρ converged": sr.converged,
+        "ρ at": "the fixed point" if fp.converged else f"the last {fp.method} iterate",
         "‖∂T/∂h‖": jn.value,
     }
     if dep is not None:

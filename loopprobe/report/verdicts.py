@@ -165,7 +165,8 @@ def fixedpoint_verdicts(table: pd.DataFrame) -> list[Verdict]:
                 "fixedpoint",
                 f"{name}: iterating the round reaches a fixed point",
                 HOLDS if reached else FAILS,
-                f"{'reached' if reached else 'not reached'}, ρ = {rho:.3f}",
+                f"{'reached' if reached else 'not reached'}, ρ = {rho:.3f} at "
+                f"{r.get('ρ at', 'the reached state')}",
                 "residual ≤ 1e-6",
             )
         )
