@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
         print(f"unknown study {name!r}; choose from {', '.join(STUDIES)} or 'verdicts'",
               file=sys.stderr)  # fmt: skip
         return 2
+    sys.argv[0] = f"python -m studies {name}"  # what argparse names in --help and errors
     importlib.import_module(f"studies.{name}.run").main(rest)
     return 0
 
