@@ -67,10 +67,10 @@ SECTIONS: list[Section] = [
     ),
     Section(
         "reproductions",
-        "Reproductions of the seeds' training claims (cached studies)",
-        "Does the optimal learning rate stay put across loop counts under 1/N and Loop-μP "
-        "but drift under 1/√N, and do recall with outer norm give reachable, input-dependent "
-        "fixed points?",
+        "Reproductions of the seeds' training claims (pre-registered studies)",
+        "Which of the seeds' training claims (learning-rate transfer across loop counts, "
+        "reachable fixed points, DeepLoop, the edge learning rate, finite steps, the Fully "
+        "Looped Transformer) hold at CPU scale, by the criteria stated before each study ran?",
         reproductions_section,
     ),
 ]
