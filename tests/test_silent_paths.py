@@ -433,3 +433,66 @@ def test_eigenpairs_from_a_skewed_backward_fail_the_jvp_check_and_are_not_conver
     assert sr.rel_change == pytest.approx(1e-3, rel=1e-2)
     plain = lp.spectral_radius(lambda s: 0.5 * torch.tanh(W @ s + e), h, k=2, method="dense")
     assert plain.converged and plain.value == pytest.approx(rho, rel=1e-10)
+
+
+# ------------------------------------------------ an implicit gradient (torchdeq-style)
+
+
+class ImplicitBackward(torch.autograd.Function):
+    """Identity forward; the backward solves ``u = g + J^T u`` at the fixed point by calling
+    the block again (the implicit-function-theorem gradient of DEQ code)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, x: torch.Tensor, block: nn.Module) -> torch.Tensor:  # noqa: ANN001
+        ctx.block = block
+        ctx.save_for_backward(z, x)
+        return z.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: ANN001, ANN205
+        z, x = ctx.saved_tensors
+        with torch.enable_grad():
+            z0 = z.detach().requires_grad_()
+            fz = ctx.block(z0, x)
+            u = g
+            for _ in range(30):
+                u = g + torch.autograd.grad(fz, z0, u, retain_graph=True)[0]
+        return u, None, None
+
+
+class DEQCell(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * torch.tanh(self.lin(z)) + x
+
+
+class TinyDEQ(nn.Module):
+    """Solver under no_grad, one grad-mode call of the cell, the implicit-gradient Function."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.cell = DEQCell(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.inp(x)
+        with torch.no_grad():
+            z = torch.zeros_like(e)
+            for _ in range(20):
+                z = self.cell(z, e)
+        z = self.cell(z, e)
+        if self.training:
+            z = ImplicitBackward.apply(z, e, self.cell)
+        return self.head(z)
+
+
+def test_an_implicit_gradient_calling_the_module_in_backward_is_refused_naming_the_function():
+    model, x = make(TinyDEQ).train(), randn(4, 3)
+    probe = lp.attach(model, sublayers=["cell"])
+    with pytest.raises(RuntimeError, match="ImplicitBackward") as err:
+        lp.per_visit_updates(probe, x, squared)
+    assert "checkpoint" not in str(err.value)

@@ -10,6 +10,7 @@ parameter goes through here; nothing else in the package writes ``_parameters``.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -123,13 +124,7 @@ def session(
     def pre_hook(j: int, g: Group, slot: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if in_backward():
-                raise RuntimeError(
-                    f"{call}: module {g.sublayer.modules[slot]!r} was called during a "
-                    "backward pass: activation checkpointing other than "
-                    "torch.utils.checkpoint recomputes it, and a recomputed call cannot be "
-                    "told from a new visit. Turn that checkpointing off while probing "
-                    "(e.g. model.gradient_checkpointing_disable())"
-                )
+                raise RuntimeError(_called_in_backward(call, g.sublayer.modules[slot]))
             v = Visit(
                 i=len(trace.visits),
                 j=j,
@@ -189,6 +184,39 @@ def session(
                 for _, saved in reversed(stack):
                     for owner, pname, p in reversed(saved):
                         owner._parameters[pname] = p
+
+
+def _called_in_backward(call: str, module: str) -> str:
+    """Why ``module`` runs inside a backward pass, as far as the Python stack tells."""
+    fn = _backward_function()
+    if fn is not None:
+        return (
+            f"{call}: module {module!r} was called during a backward pass by the backward of "
+            f"{fn} (a custom torch.autograd.Function that calls the module in its backward: "
+            "the implicit gradient of DEQ code, a hand-written recompute); a call in backward "
+            "cannot be told "
+            "from a new visit, and G, U and kappa are defined for the gradient of the "
+            "forward's own visits. Probe with that gradient off (the model in eval mode, "
+            "or the solver's unrolled / plain-autograd gradient)"
+        )
+    return (
+        f"{call}: module {module!r} was called during a backward pass: activation "
+        "checkpointing other than torch.utils.checkpoint recomputes it, or a tensor hook "
+        "calls it, and such a call cannot be told from a new visit. Turn that off while "
+        "probing (e.g. model.gradient_checkpointing_disable())"
+    )
+
+
+def _backward_function() -> str | None:
+    """The custom ``torch.autograd.Function`` whose ``backward`` is on the stack, if any."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        ctx = frame.f_locals.get("ctx") if frame.f_code.co_name == "backward" else None
+        cls = getattr(ctx, "_forward_cls", None)
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+            return f"{cls.__module__}.{cls.__qualname__}"
+        frame = frame.f_back
+    return None
 
 
 def device_of(model: nn.Module) -> torch.device:
