@@ -271,3 +271,22 @@ def test_two_spectral_radii_in_one_report_say_where_each_was_taken(tmp_path):
     assert f"at {variant['ρ at']}" in fp_verdict
     name = res["alignment"]["values"]["kappa_sublayer"]
     assert name == "cell" and any(f"of {name}" in n for n in res["alignment"]["notes"])
+
+
+def test_the_cli_and_the_report_build_one_target_object(monkeypatch):
+    from loopprobe import report
+    from loopprobe.cli import _target, build_parser
+    from loopprobe.record.target import Target
+    from loopprobe.record.types import DefaultLoss
+
+    args = build_parser().parse_args(
+        ["kappa", "--model", "huginn_model:huginn", "--inputs", "huginn_model:batch"]
+    )
+    cli = _target.build_target(args, None)
+    rep = report.load_user_model("huginn_model:huginn", "huginn_model:batch")
+    assert type(cli) is type(rep) is Target and report.UserModel is Target
+    assert isinstance(cli.loss_fn, DefaultLoss) and isinstance(rep.loss_fn, DefaultLoss)
+    h = lp.health(rep.model, rep.inputs, loss_fn=rep.loss_fn, progress=False,
+                  **rep.probe_kwargs())  # fmt: skip
+    assert rep.loss_label == h.values["loss"] == "the model's own .loss"
+    assert cli.loss_label.startswith("default: ")  # not run yet: the rule, not a guess

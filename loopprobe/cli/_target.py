@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,44 +18,11 @@ from loopprobe import tasks
 from loopprobe._io import load_model, load_object, user_inputs
 from loopprobe.cli._common import DefaultOutput
 from loopprobe.models import GPTConfig, LoopedGPT
+from loopprobe.record.target import Target  # the one target object (the report's too)
 from loopprobe.record.types import MappingCallError
 from loopprobe.report.common import resolve_loss
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-@dataclass
-class Target:
-    """What one probe needs: the model, its inputs, the loss, F, the scales, what to probe."""
-
-    model: nn.Module
-    inputs: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    output: Callable[[Any], torch.Tensor] | None
-    loss_name: str
-    alpha: float | None
-    beta: float | None
-    forward: Callable[[nn.Module, Any], Any] | None = None
-    output_spec: str | None = None
-    sublayers: list[str] | None = None
-    exclude: list[str] | None = None
-    targets: Any = None  # the random next tokens of the default cross-entropy, if drawn
-
-    def describe_output(self) -> str | None:
-        """Which tensor F is: ``--output``'s, the reference model's logits, or what the
-        default picker chose (known after a probe; ``None`` before)."""
-        if self.output_spec is not None:
-            return f"the tensor --output {self.output_spec} returns from the model output"
-        if isinstance(self.output, DefaultOutput):
-            if self.output.picked is None:
-                return None
-            return f"{self.output.picked} (default; pass --output to pick another tensor)"
-        if self.output is None:  # only the reference model has no picker
-            return "the model output (the reference LoopedGPT's logits)"
-        return None
-
-    def describe_loss(self) -> str:
-        return getattr(self.loss_fn, "used", None) or self.loss_name
 
 
 def reference_model(args: argparse.Namespace, R: int) -> nn.Module:
@@ -109,8 +75,8 @@ def build_target(args: argparse.Namespace, R: int | None) -> Target:
     spec = args.output if args.model is not None else None
     subs = dict(sublayers=getattr(args, "sublayers", None), exclude=getattr(args, "exclude", None))
     return Target(
-        model, inputs, loss_fn, output, loss_name, alpha, beta, forward, spec, **subs,
-        targets=targets,
+        args.model, model, inputs, loss_fn, loss_name, output=output, alpha=alpha, beta=beta,
+        forward=forward, output_spec=spec, targets=targets, **subs,
     )  # fmt: skip
 
 

@@ -179,6 +179,7 @@ def load_user_model(
     output = load_object(output_spec, "--output") if output_spec is not None else first_tensor
     loss_fn, loss_name = resolve_loss(loss_spec, output, targets)
     user = UserModel(model_spec, model, inputs, loss_fn, loss_name, inputs_spec, loss_spec, output)
+    user.output_spec = output_spec
     user.forward = load_object(forward_spec, "--forward") if forward_spec else None
     user.step = load_object(step_spec, "--step") if step_spec else None
     user.increment, user.sublayers, user.exclude = increment, sublayers, exclude

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
-import torch
-from torch import nn
+
+from loopprobe.record.target import Target
 
 
 @dataclass(frozen=True)
@@ -61,25 +61,8 @@ class ReportConfig:
         )
 
 
-@dataclass
-class UserModel:
-    """A user's model from ``--model pkg.mod:factory`` (and optionally inputs and loss)."""
-
-    spec: str
-    model: nn.Module
-    inputs: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    loss_name: str
-    inputs_spec: str | None = None
-    loss_spec: str | None = None
-    output: Callable[[Any], torch.Tensor] | None = None  # picks F; default first_tensor
-    forward: Callable[[nn.Module, Any], Any] | None = None  # --forward: fn(model, inputs)
-    alpha: float | None = None  # --alpha/--beta: the bound check's scales (default cfg)
-    beta: float | None = None
-    step: Callable[..., Any] | None = None  # --step: fn(model, inputs) -> lp.RoundMap
-    increment: Any = None  # --increment: what lp.increments(increment=...) takes
-    sublayers: list[str] | None = None  # --sublayers: names passed to lp.attach(sublayers=)
-    exclude: list[str] | None = None  # --exclude: patterns passed to lp.attach(exclude=)
+#: a user's model from ``--model pkg.mod:factory``: the one target object of the CLI too
+UserModel = Target
 
 
 @dataclass

@@ -25,10 +25,7 @@ def health_section(ctx: Context) -> Result:
             beta=u.beta,
             step=u.step,
             increment=u.increment,
-            sublayers=u.sublayers,
-            exclude=u.exclude,
-            forward=u.forward,
-            output=u.output,
+            **u.probe_kwargs(),  # forward, output, sublayers, exclude: one Target for all
             max_iter=max(ctx.cfg.power_iters, 50),
             progress=ctx.progress,
         )
