@@ -20,12 +20,14 @@ from typing import Any
 def lazy_callback(module: str, build: Callable[[], type]) -> Callable[[str], Any]:
     """The module ``__getattr__`` of an adapter: ``MonitorCallback`` is built by ``build``
     (which imports the trainer library) on its first lookup, once, and given ``module`` as
-    its ``__module__``; every other name is an AttributeError."""
+    its ``__module__`` (and its own name as ``__qualname__``); every other name is an
+    AttributeError."""
 
     @functools.cache
     def callback_class() -> type:
         cls = build()
         cls.__module__ = module
+        cls.__qualname__ = cls.__name__  # not _callback_class.<locals>.X: keys, pickles, reprs
         return cls
 
     def __getattr__(name: str) -> Any:
