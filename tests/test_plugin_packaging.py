@@ -210,7 +210,7 @@ def test_matplotlib_and_seaborn_are_the_plots_extra_and_dev_and_notebooks_includ
 def test_the_wheel_ships_the_mit_license_and_names_the_plots_extra(tmp_path):
     src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info next to the code
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.pypi.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(PACKAGE, src / "loopprobe", ignore=shutil.ignore_patterns("__pycache__"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
