@@ -36,7 +36,18 @@ import torch.nn.functional as Fn
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import loopprobe as lp
+
 VOCAB, SEQ, BATCH, D = 11, 6, 2, 16
+# float64 end to end: the two sides of an exact check differ by summation order only
+EXACT = 1e-12
+# Operator norms by Lanczos: the default power iteration needs 250+ products on ALBERT
+# (close top singular values) and misses its tolerance within 500 on HRM-Text (float32
+# norms inside), where Lanczos converges in 15-25.
+LANCZOS = {"method": "lanczos", "max_iter": 100}
+# The HF models declare no cfg.alpha/beta: the bound step of the unchanged check runs
+# with a plain residual's scales (what it measures does not matter there).
+PLAIN = {"alpha": 1.0, "beta": 1.0}
 
 
 @dataclass
@@ -53,6 +64,21 @@ class RealModel:
 
     def F(self, out: Any) -> torch.Tensor:
         return self.output(out) if self.output is not None else out
+
+    def probe(self) -> lp.Probe:
+        return lp.attach(self.model)
+
+    def check(
+        self, check: Callable, *args: Any, loss: bool = False, output: bool = False, **kw: Any
+    ) -> Any:
+        """``check(model, inputs, [loss_fn,] *args, forward=, [output=,] **kw)``: a
+        :mod:`loopprobe.testing` check run with what a user passes for this model."""
+        head = (self.loss_fn, *args) if loss else args
+        more = {"output": self.output} if output else {}
+        return check(self.model, self.inputs, *head, forward=self.forward, **more, **kw)
+
+    def increments(self, increment: Any = "auto") -> Any:
+        return lp.increments(self.probe(), self.inputs, forward=self.forward, increment=increment)
 
 
 def seeded_build(build: Callable[[], nn.Module], seed: int = 0) -> nn.Module:

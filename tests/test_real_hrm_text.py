@@ -17,13 +17,14 @@ state is added in between), so neither is a round by itself: ``replay_round`` re
 
 from __future__ import annotations
 
-import _realchecks as chk
+import numpy as np
 import pytest
 import torch
 from _oracles import counting_calls
-from realmodels import make_hrm_text
+from realmodels import EXACT, LANCZOS, PLAIN, make_hrm_text
 
 import loopprobe as lp
+import loopprobe.testing as lpt
 from loopprobe.estimate.updates import per_visit_updates
 
 H, L = 2, 2
@@ -41,7 +42,7 @@ def test_visit_table_has_the_low_stack_nested_in_the_high_cycles_with_leading_no
     ):
         case.model(case.inputs)
     assert (len(low), low.count(False), high) == (H * L, no_grad, [True] * H)
-    table = chk.probe(case).visit_table(case.inputs, output=case.output)
+    table = case.probe().visit_table(case.inputs, output=case.output)
     assert list(table.sublayer) == [LOW, HIGH]
     assert list(table.visits) == [H * L, H]
     assert list(table.no_grad_visits) == [no_grad, 0]
@@ -50,22 +51,28 @@ def test_visit_table_has_the_low_stack_nested_in_the_high_cycles_with_leading_no
 
 
 def test_sum_of_per_visit_updates_is_the_tied_gradient_of_each_stack():
-    chk.check_sum_of_G_is_the_tied_gradient(make_hrm_text(H, L))
+    make_hrm_text(H, L).check(lpt.check_updates_sum_to_tied_gradient, loss=True, rtol=EXACT)
 
 
 def test_each_per_visit_update_is_the_gradient_of_an_explicitly_untied_copy():
-    _, compared = chk.check_G_per_visit_is_the_untied_twin(make_hrm_text(H, L))
+    compared = len(
+        make_hrm_text(H, L).check(lpt.check_updates_match_untied_copy, loss=True, rtol=EXACT)
+    )
     assert compared == H * L - 1 + H  # every gradient-visible visit; the no_grad one is zero
 
 
 def test_one_visit_sensitivity_is_the_top_singular_value_of_the_dense_jacobian():
     # The stacks' RMSNorm computes in float32 inside a float64 model: both sides carry
     # float32 roundoff (about 1e-7 relative), hence the looser tolerance.
-    chk.check_one_U_is_the_dense_jacobian_norm(make_hrm_text(H, L), rtol=1e-5)
+    make_hrm_text(H, L).check(
+        lpt.check_sensitivity_matches_dense_jacobian, output=True, rtol=1e-5, **LANCZOS
+    )
 
 
 def test_kappa_of_each_stack_lies_between_zero_and_its_gradient_visible_visits():
-    rep = chk.check_kappa_lies_in_zero_to_R(make_hrm_text(H, L))
+    rep = make_hrm_text(H, L).check(
+        lpt.check_kappa_in_range, loss=True, output=True, slack=1e-9, **LANCZOS
+    )
     assert list(rep.sublayers.R_g) == [H * L - 1, H]
 
 
@@ -73,8 +80,9 @@ def test_increments_of_the_state_returning_stacks_need_the_choice_and_then_run()
     # H_module(z_H, z_L) returns the new z_H; its next visit reads z_H only after HRM adds
     # the input injection, so no chain tells state from increment: loopprobe asks.
     with pytest.raises(ValueError, match="increment='delta' if it returns the updated stream"):
-        lp.increments(chk.probe(make_hrm_text(H, L)), make_hrm_text(H, L).inputs)
-    inc = chk.check_increments_run(make_hrm_text(H, L), increment="delta")
+        lp.increments(make_hrm_text(H, L).probe(), make_hrm_text(H, L).inputs)
+    inc = make_hrm_text(H, L).increments("delta")
+    assert np.isfinite(inc.inc_norm).all()
     assert len(inc.visits) == H * L + H
 
 
@@ -86,7 +94,9 @@ def test_replay_round_refuses_a_stack_whose_calls_do_not_chain(stack):
 
 
 def test_probing_leaves_the_model_bit_identical():
-    chk.check_probing_changes_nothing(make_hrm_text(H, L))
+    make_hrm_text(H, L).check(
+        lpt.check_probe_leaves_model_unchanged, loss=True, output=True, increment="delta", **PLAIN
+    )
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -96,12 +106,12 @@ def test_hf_gradient_checkpointing_leaves_visits_and_per_visit_updates_unchanged
     plain, ckpt = make_hrm_text(H, L), make_hrm_text(H, L)
     ckpt.model.gradient_checkpointing_enable({"use_reentrant": use_reentrant})
     assert ckpt.model.is_gradient_checkpointing
-    a = chk.probe(plain).visit_table(plain.inputs, output=plain.output)
-    b = chk.probe(ckpt).visit_table(ckpt.inputs, output=ckpt.output)
+    a = plain.probe().visit_table(plain.inputs, output=plain.output)
+    b = ckpt.probe().visit_table(ckpt.inputs, output=ckpt.output)
     cols = ["sublayer", "visits", "grad_visible", "no_grad_visits"]
     assert b[cols].values.tolist() == a[cols].values.tolist()
-    up_a = per_visit_updates(chk.probe(plain), plain.inputs, plain.loss_fn)
-    up_b = per_visit_updates(chk.probe(ckpt), ckpt.inputs, ckpt.loss_fn)
+    up_a = per_visit_updates(plain.probe(), plain.inputs, plain.loss_fn)
+    up_b = per_visit_updates(ckpt.probe(), ckpt.inputs, ckpt.loss_fn)
     for j in range(2):
         assert up_b.visible[j].tolist() == up_a.visible[j].tolist()
         torch.testing.assert_close(up_b.G[j], up_a.G[j], rtol=1e-12, atol=1e-16)

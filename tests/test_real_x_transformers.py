@@ -24,10 +24,12 @@ with R visits, all reaching the logits.
 
 from __future__ import annotations
 
-import _realchecks as chk
+import numpy as np
 import pytest
 from _oracles import counting_calls
-from realmodels import XT_TIED_BLOCKS, make_xt_looped, make_xt_weight_tied
+from realmodels import EXACT, LANCZOS, PLAIN, XT_TIED_BLOCKS, make_xt_looped, make_xt_weight_tied
+
+import loopprobe.testing as lpt
 
 R = 3
 
@@ -45,7 +47,7 @@ def test_looped_visit_table_is_the_decoder_per_step_plus_the_per_step_gate_and_h
     ):
         m(case.inputs)
     assert (len(body), len(gate), len(head)) == (R, R, R + 1)  # the code, read independently
-    table = chk.probe(case).visit_table(case.inputs).set_index("sublayer")
+    table = case.probe().visit_table(case.inputs).set_index("sublayer")
     assert sorted(table.index) == ["attn_layers", "exit_gate", "to_logits"]
     assert table.loc["attn_layers", "parameters"] == sum(
         p.numel() for p in m.attn_layers.parameters()
@@ -58,38 +60,49 @@ def test_looped_visit_table_is_the_decoder_per_step_plus_the_per_step_gate_and_h
 
 def test_looped_gate_and_head_are_listed_as_heads_and_the_decoder_as_the_body():
     case = make_xt_looped(R)
-    table = chk.probe(case).visit_table(case.inputs).set_index("sublayer")
+    table = case.probe().visit_table(case.inputs).set_index("sublayer")
     assert table.role.to_dict() == {"attn_layers": "body", "exit_gate": "head", "to_logits": "head"}
 
 
 def test_looped_sum_of_per_visit_updates_is_the_tied_gradient():
-    chk.check_sum_of_G_is_the_tied_gradient(make_xt_looped(R))
+    make_xt_looped(R).check(lpt.check_updates_sum_to_tied_gradient, loss=True, rtol=EXACT)
 
 
 def test_looped_each_per_visit_update_is_an_explicitly_untied_copy():
-    _, compared = chk.check_G_per_visit_is_the_untied_twin(make_xt_looped(R))
+    compared = len(
+        make_xt_looped(R).check(lpt.check_updates_match_untied_copy, loss=True, rtol=EXACT)
+    )
     assert compared == R + 1  # the decoder's R visits and the head's last one
 
 
 def test_looped_one_visit_sensitivity_is_the_top_singular_value_of_the_dense_jacobian():
-    chk.check_one_U_is_the_dense_jacobian_norm(make_xt_looped(R))
+    make_xt_looped(R).check(lpt.check_sensitivity_matches_dense_jacobian, output=True, **LANCZOS)
 
 
 def test_looped_kappa_lies_between_zero_and_the_gradient_visible_visits():
-    rep = chk.check_kappa_lies_in_zero_to_R(make_xt_looped(R))
+    rep = make_xt_looped(R).check(
+        lpt.check_kappa_in_range, loss=True, output=True, slack=1e-9, **LANCZOS
+    )
     assert rep.sublayers.set_index("sublayer").R_g["attn_layers"] == R
 
 
-def test_looped_increments_run_without_touching_the_callers_rng():
-    chk.check_increments_run(make_xt_looped(R))
+def test_looped_increments_run_with_finite_norms():
+    inc = make_xt_looped(R).increments()
+    assert np.isfinite(inc.inc_norm).all() and len(inc.inc_norm) == len(inc.visits) > 0
 
 
 def test_looped_spectral_radius_of_the_replayed_decoder_round_is_the_dense_one():
-    chk.check_spectral_radius_is_the_dense_one(make_xt_looped(R), "attn_layers")
+    make_xt_looped(R).check(lpt.check_spectral_radius_matches_dense, "attn_layers")
 
 
 def test_looped_probing_leaves_the_model_bit_identical():
-    chk.check_probing_changes_nothing(make_xt_looped(R), round_module="attn_layers")
+    make_xt_looped(R).check(
+        lpt.check_probe_leaves_model_unchanged,
+        loss=True,
+        output=True,
+        round_module="attn_layers",
+        **PLAIN,
+    )
 
 
 # --------------------------------------------------------------------------- weight_tie_layers
@@ -102,31 +115,38 @@ def test_weight_tied_visit_table_is_two_norms_attention_and_feedforward_each_vis
     with counting_calls(m.get_submodule(XT_TIED_BLOCKS[1])) as attn:
         m(case.inputs)
     assert len(attn) == R
-    table = chk.probe(case).visit_table(case.inputs)
+    table = case.probe().visit_table(case.inputs)
     assert list(table.sublayer) == list(XT_TIED_BLOCKS)
     assert list(table.visits) == [R] * 4 and list(table.grad_visible) == [R] * 4
 
 
 def test_weight_tied_sum_of_per_visit_updates_is_the_tied_gradient():
-    chk.check_sum_of_G_is_the_tied_gradient(make_xt_weight_tied(R))
+    make_xt_weight_tied(R).check(lpt.check_updates_sum_to_tied_gradient, loss=True, rtol=EXACT)
 
 
 def test_weight_tied_each_per_visit_update_is_an_explicitly_untied_copy():
-    _, compared = chk.check_G_per_visit_is_the_untied_twin(make_xt_weight_tied(R))
+    compared = len(
+        make_xt_weight_tied(R).check(lpt.check_updates_match_untied_copy, loss=True, rtol=EXACT)
+    )
     assert compared == 4 * R
 
 
 def test_weight_tied_one_visit_sensitivity_is_the_top_singular_value_of_the_dense_jacobian():
-    chk.check_one_U_is_the_dense_jacobian_norm(make_xt_weight_tied(R))
+    make_xt_weight_tied(R).check(
+        lpt.check_sensitivity_matches_dense_jacobian, output=True, **LANCZOS
+    )
 
 
 def test_weight_tied_kappa_lies_between_zero_and_depth():
-    rep = chk.check_kappa_lies_in_zero_to_R(make_xt_weight_tied(R))
+    rep = make_xt_weight_tied(R).check(
+        lpt.check_kappa_in_range, loss=True, output=True, slack=1e-9, **LANCZOS
+    )
     assert list(rep.sublayers.R_g) == [R] * 4
 
 
-def test_weight_tied_increments_run_without_touching_the_callers_rng():
-    inc = chk.check_increments_run(make_xt_weight_tied(R))
+def test_weight_tied_increments_run_with_finite_norms():
+    inc = make_xt_weight_tied(R).increments()
+    assert np.isfinite(inc.inc_norm).all() and len(inc.inc_norm) == len(inc.visits) > 0
     assert len(inc.visits) == 4 * R
 
 
@@ -140,4 +160,6 @@ def test_weight_tied_blocks_are_residual_branches_not_rounds(block):
 
 
 def test_weight_tied_probing_leaves_the_model_bit_identical():
-    chk.check_probing_changes_nothing(make_xt_weight_tied(R))
+    make_xt_weight_tied(R).check(
+        lpt.check_probe_leaves_model_unchanged, loss=True, output=True, **PLAIN
+    )

@@ -127,3 +127,17 @@ def test_a_stated_radius_below_the_measured_one_fails_with_the_eigenvalues():
     assert abs(lpt.check_fixed_point_contracts(rm).value - 0.8) < 1e-8
     with pytest.raises(AssertionError, match=r"spectral radius .* is 0.8 >= 0.5\n.*\[0.8, 0.3"):
         lpt.check_fixed_point_contracts(rm, max_rho=0.5)
+
+
+def test_a_kappa_R_that_is_not_the_bodys_largest_kappa_j_fails(monkeypatch):
+    import dataclasses
+
+    real = lp.visit_alignment
+    monkeypatch.setattr(
+        lp,
+        "visit_alignment",
+        lambda *a, **k: dataclasses.replace(r := real(*a, **k), kappa=r.kappa * 0.9),
+    )
+    m = loop(R=3, K=2)
+    with pytest.raises(AssertionError, match=r"kappa_R is not the largest kappa_j.*\n.*'blocks.0'"):
+        lpt.check_kappa_in_range(m, x_for(m), loss)

@@ -100,16 +100,21 @@ def check_kappa_in_range(
     slack: float = 1e-6,
     **alignment_kwargs: Any,
 ) -> lp.results.AlignmentReport:
-    """``0 <= kappa_j <= R_j`` for every loop-body sublayer, from converged estimates
-    (seed 002, Eq. 12; ``slack`` relative). Returns the alignment report."""
+    """``0 <= kappa_j <= R_j`` for every sublayer the loss reaches (``R_j`` its
+    gradient-visible visits > 0; heads and norms included), and ``kappa_R`` is the largest
+    ``kappa_j`` of the loop body, from converged estimates (seed 002, Eq. 12; ``slack``
+    relative). Returns the alignment report."""
     __tracebackhide__ = True  # a failure points at the user\'s test line
     call = "check_kappa_in_range"
     forward = alignment_kwargs.get("forward")
     with _blame_model(call, model, batch, forward), lp.attach(model, sublayers) as probe:
         rep = lp.visit_alignment(probe, batch, loss, **alignment_kwargs)
     rows = rep.sublayers
-    body = rows[rows.role.eq("body")] if rows.role.eq("body").any() else rows
-    for r in body.itertuples():
+    reached = rows[rows.R_g > 0]
+    if reached.empty:
+        _fail(call, "no sublayer has a visit the loss reaches, so no kappa_j is measured",
+              f"R_j = {list(rows.R_g)} for {list(rows.sublayer)}")  # fmt: skip
+    for r in reached.itertuples():
         R = int(r.R_g)
         if not (math.isfinite(r.kappa) and -slack <= r.kappa <= R * (1 + slack)):
             _fail(
@@ -117,6 +122,14 @@ def check_kappa_in_range(
                 f"sublayer {r.sublayer!r}: kappa_j outside [0, R_j]",
                 f"kappa_j = {r.kappa:.6g}, R_j = {R} (gradient-visible visits), slack {slack:g}",
             )
+    body = reached[reached.role.eq("body")] if reached.role.eq("body").any() else reached
+    if not rep.kappa == float(body.kappa.max()):
+        _fail(
+            call,
+            "kappa_R is not the largest kappa_j of the loop body",
+            f"kappa_R = {rep.kappa:.6g}; body kappa_j = {_fmt(body.kappa)} "
+            f"for {list(body.sublayer)}",
+        )
     if not rep.converged:
         _fail(
             call,
