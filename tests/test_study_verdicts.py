@@ -79,3 +79,18 @@ def test_the_library_never_imports_the_studies():
     texts = {p: p.read_text() for p in (ROOT / "loopprobe").rglob("*.py")}
     offenders = [str(p) for p, t in texts.items() if "import studies" in t or "from studies" in t]
     assert offenders == []
+
+
+def test_every_study_folder_is_run_by_python_m_studies_and_judged_into_the_table(capsys):
+    import importlib
+
+    from studies import judges
+    from studies.__main__ import STUDIES as RUN
+    from studies.__main__ import main as studies_main
+
+    folders = sorted(p.parent.name for p in STUDIES.glob("*/run.py"))
+    assert sorted(RUN) == folders
+    assert all(callable(importlib.import_module(f"studies.{n}.run").main) for n in RUN)
+    assert set(judges.STUDIES) | {"lr_transfer", "reachability"} == set(RUN)
+    assert studies_main(["nosuch"]) == 2
+    assert "choose from lr_transfer, reachability" in capsys.readouterr().err
