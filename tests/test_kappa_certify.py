@@ -282,3 +282,12 @@ def test_the_cli_counts_the_loop_body_only_when_a_head_runs_after_every_round(ca
     assert out["kappa_lo"] <= out["kappa"] <= out["kappa_hi"]
     assert 0 <= out["kappa_err"] <= out["tol"]
     assert {"U_lo", "U_hi", "U_err"} <= set(out["visits"][0])
+
+
+def test_health_takes_kappas_default_tolerance_from_the_precision():
+    """lp.health once hard-coded tol=1e-4, below a float32 kappa's roundoff allowance (about
+    5e-5 kappa): a right float32 kappa came back not converged and alignment 'cannot tell'."""
+    model = make(SharedBlockModel, seed=2, R=3).float()
+    h = lp.health(model, randn(3, 6).float(), alpha=1.0, beta=1.0, progress=False)
+    assert not [p for p in h.problems if p.startswith("κ_R")], h.problems
+    assert h.frame.set_index("check").loc["alignment", "verdict"] != "cannot tell"

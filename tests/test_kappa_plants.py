@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from thirdparty_models import MLPBlock, make, randn
+from thirdparty_models import MLPBlock, SharedBlockModel, make, randn
 from torch import nn
 
 import loopprobe as lp
@@ -79,3 +79,27 @@ def test_the_F0_check_flags_a_relative_difference_of_1e_7_and_passes_roundoff():
     assert any("F(0) check failed" in p for p in jac._F0_problems())
     jac.F0 = F0 * (1 + 1e-10)
     assert jac._F0_problems() == []
+
+
+class ReadoutReusesTheBlock(nn.Module):
+    """A shared block whose first weight also reads the output out (a tied read-out outside
+    the block's calls)."""
+
+    def __init__(self, d: int = 6, R: int = 3) -> None:
+        super().__init__()
+        self.R = R
+        self.block = MLPBlock(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.R):
+            x = self.block(x)
+        return x @ self.block.fc1.weight.T
+
+
+def test_sensitivity_norms_alone_flags_a_weight_also_read_outside_its_module():
+    model = make(ReadoutReusesTheBlock)
+    sens = lp.sensitivity_norms(lp.attach(model), randn(3, 6))
+    assert not sens.converged
+    assert any("also read outside its module's calls" in p for p in sens.problems)
+    plain = lp.sensitivity_norms(lp.attach(make(SharedBlockModel, R=3)), randn(3, 6))
+    assert plain.converged and plain.problems == []

@@ -124,8 +124,33 @@ def test_dropout_uses_one_sample_for_every_derivative_of_an_estimate():
     assert_matches(sens, blocks, {0: blocks})
 
 
+#: A generator at module level, owned by no module: probing cannot put it back.
+NOISE = torch.Generator().manual_seed(0)
+
+
 class UncontrolledNoise(nn.Module):
-    """Randomness from a private generator: the seed cannot make evaluations agree."""
+    """Randomness from a generator no module owns: the seed cannot make evaluations agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            mask = torch.rand(x.shape, generator=NOISE, dtype=x.dtype) > 0.5
+            x = self.lin(x) * mask
+        return x
+
+
+def test_randomness_the_seed_cannot_control_is_refused_with_a_clear_error():
+    model = make(UncontrolledNoise)
+    with pytest.raises(RuntimeError, match="JVP and VJP .* disagree|different path"):
+        sensitivity_norms(lp.attach(model), randn(2, 4), max_iter=20)
+
+
+class OwnNoise(nn.Module):
+    """Randomness from a generator the module owns (``self.gen``): put back with the model
+    before every evaluation, so the norms are those of the masks its state draws next."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -139,10 +164,20 @@ class UncontrolledNoise(nn.Module):
         return x
 
 
-def test_randomness_the_seed_cannot_control_is_refused_with_a_clear_error():
-    model = make(UncontrolledNoise)
-    with pytest.raises(RuntimeError, match="JVP and VJP .* disagree|different path"):
-        sensitivity_norms(lp.attach(model), randn(2, 4), max_iter=20)
+def test_a_module_owned_generator_gives_the_norm_of_its_next_draw_and_is_not_advanced():
+    model, x = make(OwnNoise), randn(2, 4)
+    state = model.gen.get_state()
+    sens = sensitivity_norms(lp.attach(model), x, max_iter=40, tol=1e-12)
+    assert torch.equal(model.gen.get_state(), state) and sens.converged, sens.reason
+
+    def F(params):
+        model.gen.set_state(state)
+        return functional_call(model, params, (x,)).reshape(-1)
+
+    J = jacrev(F)({n: p.detach() for n, p in model.named_parameters()})
+    model.gen.set_state(state)
+    tied = torch.cat([J[n].reshape(J[n].shape[0], -1) for n in ("lin.weight", "lin.bias")], 1)
+    assert sens.tied_norms[0].value == pytest.approx(top_sv(tied), rel=1e-9)
 
 
 def test_output_selects_F():

@@ -46,6 +46,7 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     beaten,
     default_tol,
     missed_note,
+    outside_reads,
     precision_note,
     repair_tops,
 )
@@ -226,6 +227,7 @@ def sensitivity_norms(
     call = "sensitivity_norms"
     if method not in ("auto", "power", "lanczos"):
         raise ValueError(f"{call}: method={method!r}; choose 'auto', 'power' or 'lanczos'")
+    alone = visits is None  # every F-visible visit: Sigma_r U_r^T w is the whole use
     visits, jac = _visible_jacobian(probe, inputs, visits, forward, output, seed, call)
     ops, keys = _operators(visits)
     masks = jac.masks(ops)
@@ -303,6 +305,8 @@ def sensitivity_norms(
     F_norm, mode = float(F_norm), jac.jvp.mode
     problems = list(getattr(jac, "problems", []))  # invariants of F that failed
     problems += missed_note([label(b) for b in left])  # operators that missed their top
+    if alone and ranks is None:  # visit_alignment checks the same through sum_r G
+        problems += outside_reads(jac, per, w, eps)
     return Sensitivity(
         visits, names, visit_norms, tied, UTw, F_norm, method, mode, precision, vectors, keys,
         problems, basis, eps,

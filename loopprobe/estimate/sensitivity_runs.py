@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from loopprobe.autodiff import is_half, lowest_precision
+from loopprobe.estimate.updates import OUTSIDE_EPS
 from loopprobe.linalg import (
     ROUNDOFF_EPS,
     Estimate,
@@ -24,6 +25,8 @@ from loopprobe.linalg import (
     operator_norm,
     operator_norm_krylov,
 )
+from loopprobe.record.session import restored
+from loopprobe.record.types import call_model, pick_output, seeded
 
 
 def default_tol(dtype: torch.dtype, method: str = "power") -> float:
@@ -354,3 +357,38 @@ def _estimate(
         ests = operator_norm_krylov(matvec, rmatvec, v0, tol=tol, basis=basis or None, **kw)
     vectors[rows] = out
     return ests
+
+
+def outside_reads(jac, per: list[torch.Tensor], w: torch.Tensor, eps: float) -> list[str]:
+    """Sublayers whose parameters F also reads outside their module's calls (a tied read-out
+    ``F.linear(h, block.weight)``, a read in the parent's forward): one VJP of the model's own
+    output with respect to the real parameters, ``d<F, w>/d phi_j``, against the sum of the
+    per-visit ``U_{r,j}^T w`` (``per``, every F-visible visit). They differ by more than
+    roundoff (``OUTSIDE_EPS`` eps, as :func:`~loopprobe.estimate.updates.per_visit_updates`
+    checks G) only when a read bypasses the visits, which ``||sum_r U_{r,j}||`` then misses.
+    """
+    model = jac.probe.model
+    params = [p for g in jac.groups for p in g.params]
+    with seeded(jac.seed, jac.device), restored(model), torch.enable_grad():
+        F = pick_output(call_model(model, jac.inputs, jac.forward), jac.output, call=jac.call)
+        full = torch.autograd.grad((F.reshape(-1) * w.to(F.dtype)).sum(), params,
+                                   allow_unused=True)  # fmt: skip
+    out, at = [], 0
+    for j, g in enumerate(jac.groups):
+        mine = full[at : at + len(g.params)]
+        at += len(g.params)
+        total = torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1).double()
+                           for t, p in zip(mine, g.params, strict=True)])  # fmt: skip
+        visits = [k for k, v in enumerate(jac.visits) if v.j == j]
+        if not visits:
+            continue
+        summed = sum(per[k][: total.numel()].double() for k in visits)
+        gap = float((total - summed).norm() / total.norm().clamp_min(1e-300))
+        if gap > OUTSIDE_EPS * eps:
+            out.append(
+                f"{g.sublayer.name}: its parameters are also read outside its module's calls "
+                f"(d<F, w>/d params differs from sum_r U_r^T w by {gap:.2g} of its norm), so "
+                "||sum_r U_r|| misses that read; route the read through a call of the module, "
+                "or untie it"
+            )
+    return out
