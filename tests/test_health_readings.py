@@ -290,3 +290,21 @@ def test_the_cli_and_the_report_build_one_target_object(monkeypatch):
                   **rep.probe_kwargs())  # fmt: skip
     assert rep.loss_label == h.values["loss"] == "the model's own .loss"
     assert cli.loss_label.startswith("default: ")  # not run yet: the rule, not a guess
+
+
+def test_nan_weights_are_a_finding_naming_the_visit_not_an_exception():
+    model = hm.loop_contracting()
+    with torch.no_grad():
+        model.cell.W.weight[0, 0] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    h = check(model, hm.features())
+    first = h.frame.iloc[0]
+    assert (first.check, first.reading, first.verdict) == ("finite", H.RISK, H.FAILS)
+    assert "visit r=0 of sublayer 'cell'" in first.measured
+    assert "non-finite parameters: cell.W.weight" in first.measured
+    assert list(h.frame.check[1:]) == list(H.CHECKS) and set(h.frame.reading[1:]) == {H.UNKNOWN}
+    assert not h.converged and h.reason.startswith("not finite:")
+    assert h.values["non_finite"] == ["cell.W.weight"]
+    for k, v in model.state_dict().items():  # probing left the model as it was, NaN included
+        assert torch.allclose(before[k], v, equal_nan=True)
+    assert str(h).startswith("health of RelaxedLoop: ? gradient-visible")

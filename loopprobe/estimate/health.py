@@ -59,6 +59,7 @@ from loopprobe.estimate.health_checks import (  # noqa: F401 - the thresholds, r
     SQRT_RULE,
     UNCORRELATED,
     UNKNOWN,
+    _unknown,
     alignment_rows,
     gradient_rows,
     increment_rows,
@@ -161,8 +162,10 @@ def health(
     branches (a whole attention + MLP block) counts as one visit per round, so name the
     branches to get the unrolled depth N = M_g / 2 right. ``max_iter``: Lanczos steps per
     operator norm behind κ_R; ``tol``: the bound on κ_R's error (default from the precision
-    the model computes in, as in :func:`lp.visit_alignment`); ``fp_max_iter``: Picard steps of the fixed-point check. The model,
-    its ``.grad``, modes, buffers and torch's RNG are left as they were.
+    the model computes in, as in :func:`lp.visit_alignment`); ``fp_max_iter``: Picard steps
+    of the fixed-point check. The model, its ``.grad``, modes, buffers and torch's RNG are
+    left as they were. A model whose forward or loss is not finite (a NaN weight) gives a
+    first row ``finite`` (risk) naming the visit and the parameters, the rest cannot tell.
 
     Example::
 
@@ -176,23 +179,56 @@ def health(
     loss = _loss(loss_fn, output)
     kw = dict(forward=forward, output=output, max_iter=max_iter, tol=tol, seed=seed)
     bar = tqdm(["κ_R", "increments", "round map"], desc="health", disable=not progress, leave=False)
-    with caller_rng(model), Probe(model, sublayers, exclude) as probe, restored(model):
-        for part in bar:
-            bar.set_postfix_str(part)
-            if part == "κ_R":
-                rep = visit_alignment(probe, inputs, loss, **kw)
-            elif part == "increments":
-                inc_rows, inc_problems = increment_rows(probe, inputs, forward, increment, rep)
-            else:
-                rm, how = _round_map(model, inputs, step)
-                how = how if rm is None else f"{how}; the round in {rm.mode}"
-                fp_rows, fp_problems = round_rows(rm, how, fp_max_iter)
+    try:
+        with caller_rng(model), Probe(model, sublayers, exclude) as probe, restored(model):
+            parts = _run_parts(bar, model, inputs, probe, loss, kw, increment, step, fp_max_iter)
+    except FloatingPointError as err:  # NaN/inf in the forward or the loss: a finding
+        return _not_finite(model, err, loss_label(loss_fn if loss_fn is not None else loss))
+    rep, inc_rows, inc_problems, fp_rows, fp_problems = parts
     rows, values = alignment_rows(rep, scales)
     rows += inc_rows + fp_rows + gradient_rows(rep)
     problems = ([f"κ_R: {rep.reason}"] if not rep.converged else []) + inc_problems + fp_problems
     label = loss_label(loss_fn if loss_fn is not None else loss)  # the loss actually used
     values.update(model=type(model).__name__, loss=label, M=int(rep.M), M_g=int(rep.M_g))
     return Health(pd.DataFrame(rows, columns=COLUMNS), values, problems)
+
+
+def _run_parts(bar, model, inputs, probe, loss, kw, increment, step, fp_max_iter) -> tuple:
+    """κ_R, the increments and the round map, one progress step each."""
+    for part in bar:
+        bar.set_postfix_str(part)
+        if part == "κ_R":
+            rep = visit_alignment(probe, inputs, loss, **kw)
+        elif part == "increments":
+            inc_rows, inc_problems = increment_rows(probe, inputs, kw["forward"], increment, rep)
+        else:
+            rm, how = _round_map(model, inputs, step)
+            how = how if rm is None else f"{how}; the round in {rm.mode}"
+            fp_rows, fp_problems = round_rows(rm, how, fp_max_iter)
+    return rep, inc_rows, inc_problems, fp_rows, fp_problems
+
+
+#: every check, in frame order, and its kind
+CHECKS = {"alignment": MEASUREMENT, "bound": MEASUREMENT, "scaling": INFERENCE,
+          "increments": MEASUREMENT, "growth rule": INFERENCE, "fixed point": MEASUREMENT,
+          "spectral radius": MEASUREMENT, "oscillation": MEASUREMENT,
+          "explosion": MEASUREMENT}  # fmt: skip
+
+
+def _not_finite(model: nn.Module, err: FloatingPointError, loss: str) -> Health:
+    """A model whose forward or loss is NaN/inf: one ``finite`` row saying where (the visit
+    the estimators name, the non-finite parameters), every other check ``cannot tell``."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    where = f"non-finite parameters: {', '.join(bad[:5])}" if bad else "every parameter is finite"
+    why = "the forward pass is not finite, so no reading of it means anything"
+    advice = "fix the non-finite values first (a NaN weight, an overflow, a division by zero)"
+    first = dict(zip(COLUMNS, ["finite", "the forward pass and the loss are finite",
+                               MEASUREMENT, RISK, FAILS, math.nan, f"{err}; {where}",
+                               "finite values", "every value finite", "", advice],
+                     strict=True))  # fmt: skip
+    rows = [first, *_unknown(list(CHECKS), list(CHECKS.values()), why)]
+    values = dict(model=type(model).__name__, loss=loss, M="?", M_g="?", non_finite=bad)
+    return Health(pd.DataFrame(rows, columns=COLUMNS), values, [f"not finite: {err}"])
 
 
 # --------------------------------------------------------------------------- inputs
