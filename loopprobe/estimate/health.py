@@ -170,8 +170,8 @@ def health(
     Example::
 
         h = lp.health(model, idx, alpha=1.0, beta=1.0)
-        print(h)                    # two lines per check
-        h.frame                     # check, claim, kind, verdict, value, measured, ...
+        print(h)                    # per check: reading, theory as context, what to do
+        h.frame                     # check, claim, kind, reading, verdict, value, advice, ...
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"health: model must be a torch.nn.Module, got {type(model).__name__}")
