@@ -15,7 +15,7 @@ Margins: a line decides only when the measured value's uncertainty lies on one s
 threshold: κ_R's certified interval ``[kappa_lo, kappa_hi]`` (alignment, bound, scaling), the
 eigenpair residual (spectral radius), and for cosines the 95 % Student-t interval of the
 mean over the pairs it averages (≥ ``MIN_PAIRS`` pairs: distinct increment pairs, or
-consecutive visit pairs per sublayer); otherwise ``cannot tell`` with the value.
+consecutive visit pairs per sublayer; a margin, the pairs share visits); else ``cannot tell``.
 
 Checks and thresholds (the module constants):
 
