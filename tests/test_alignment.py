@@ -10,12 +10,11 @@ import torch.nn.functional as Fn
 from hypothesis import example, given
 from hypothesis import strategies as st
 from test_sensitivity import dense_blocks, top_sv
-from thirdparty_models import (  # noqa: F401 (one_thread: autouse fixture)
+from thirdparty_models import (
     ForLoopModel,
     SharedBlockModel,
     TruncatedModel,
     make,
-    one_thread,
     randn,
 )
 from torch import nn

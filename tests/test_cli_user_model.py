@@ -105,16 +105,9 @@ USER_MODULE = textwrap.dedent(
 
 
 @pytest.fixture
-def user_dir(tmp_path, monkeypatch):
-    """The user's module in a fresh directory that is the cwd; cwd is not on sys.path
-    (as for the ``loopprobe`` console script). Yields the module's name."""
-    name = f"usermodel_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(USER_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), ".")])
-    yield name
-    for mod in [m for m in sys.modules if m.startswith(name)]:
-        del sys.modules[mod]
+def user_dir(fresh_cwd):
+    """The user's module in a fresh cwd, not on sys.path (tests/conftest.py); its name."""
+    return fresh_cwd("usermodel", USER_MODULE)
 
 
 def user_module(name: str):

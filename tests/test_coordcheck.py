@@ -20,14 +20,6 @@ cc_mod = importlib.import_module("loopprobe.experiments.coordcheck")
 SMALL = {"d_model": 32, "seq_len": 16, "batch": 4}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def prenorm() -> lp.experiments.CoordCheck:
     threads = torch.get_num_threads()

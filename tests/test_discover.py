@@ -17,7 +17,6 @@ from thirdparty_models import (
     MLPBlock,
     TruncatedModel,
     make,
-    one_thread,  # noqa: F401 (autouse fixture)
     randn,
 )
 from torch import nn

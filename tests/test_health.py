@@ -27,14 +27,6 @@ KINDS = {"alignment": "measurement", "bound": "measurement", "scaling": "inferen
          "explosion": "measurement"}  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def check(model, inputs, **kw) -> H.Health:
     return lp.health(model, inputs, progress=False, **kw)
 

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import textwrap
-import uuid
 import warnings
 from types import MappingProxyType
 
@@ -227,14 +226,8 @@ USER_MODULE = textwrap.dedent(
 
 
 @pytest.fixture
-def user_dir(tmp_path, monkeypatch):
-    name = f"hfuser_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(USER_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), ".")])
-    yield name
-    for mod in [m for m in sys.modules if m.startswith(name)]:
-        del sys.modules[mod]
+def user_dir(fresh_cwd):
+    return fresh_cwd("hfuser", USER_MODULE)
 
 
 @pytest.mark.parametrize("fn", ["batch", "encoding"])

@@ -23,14 +23,6 @@ SIZE = {"d_model": 64, "seq_len": 16, "batch": 4}
 SEEDS = (0, 1, 2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many small ops: one thread is faster, and robust to a busy box
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny(**kw) -> LoopedGPT:
     cfg = {"vocab_size": 11, "seq_len": 8, "d_model": 16, "n_heads": 2, "K": 1, "R": 4, **kw}
     return LoopedGPT(GPTConfig(**cfg), generator=torch.Generator().manual_seed(0)).double()

@@ -28,14 +28,6 @@ D, V, R = 8, 11, 5
 CARRIED = "carried stream h_(r+1) - h_r"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Block(nn.Module):
     """A residual transformer-ish block returning the updated stream ``u + mlp(norm(u))``;
     ``prenorm``: a second pre-norm residual branch (``u + mix(norm2(u))``) in front."""

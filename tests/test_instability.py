@@ -19,14 +19,6 @@ from loopprobe.models import GPTConfig, LoopedGPT
 ins_mod = importlib.import_module("loopprobe.estimate.instability")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _gpt(**kw) -> LoopedGPT:
     cfg = {"vocab_size": 256, "seq_len": 8, "d_model": 16, "n_heads": 2, "K": 1, "R": 4, **kw}
     return LoopedGPT(GPTConfig(**cfg), generator=torch.Generator().manual_seed(0)).double()

@@ -31,26 +31,7 @@ IDS = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(4))
 BATCH = {"input_ids": IDS, "labels": IDS}  # the model returns its own .loss
 
 
-def hf_args(tmp_path, **kw):
-    import transformers
-
-    base = dict(
-        output_dir=str(tmp_path),
-        max_steps=4,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-    )
-    return transformers.TrainingArguments(**{**base, **kw})
-
-
-def hf_train(tmp_path, mon, resume=None, first=False, **kw):
+def hf_train(hf_args, mon, resume=None, first=False, **kw):
     import transformers
 
     from loopprobe.integrations.huggingface import MonitorCallback
@@ -58,7 +39,7 @@ def hf_train(tmp_path, mon, resume=None, first=False, **kw):
     cb = MonitorCallback(mon)
     trainer = transformers.Trainer(
         model=mon.model,
-        args=hf_args(tmp_path, **kw),
+        args=hf_args(**{"max_steps": 4, "seed": 0, **kw}),
         train_dataset=Tokens(),
         callbacks=None if first else [cb],
     )
@@ -82,9 +63,9 @@ def framed(mon: Monitor, quantity: str, sublayer=None) -> dict[int, float]:
 GROUP = "albert.encoder.albert_layer_groups.0"
 
 
-def test_the_hf_trainers_log_history_holds_the_monitors_numbers_at_their_steps(tmp_path):
+def test_the_hf_trainers_log_history_holds_the_monitors_numbers_at_their_steps(tmp_path, hf_args):
     mon = Monitor(tiny_albert(), BATCH, diagnostics=["updates"], every=2)
-    trainer = hf_train(tmp_path, mon)  # logging_strategy="no": only the monitor's steps log
+    trainer = hf_train(hf_args, mon)  # logging_strategy="no": only the monitor's steps log
     history = trainer.state.log_history
     assert logged(history, "loopprobe/probe_loss") == framed(mon, "probe_loss")
     assert sorted(framed(mon, "probe_loss")) == [2, 4]
@@ -94,11 +75,11 @@ def test_the_hf_trainers_log_history_holds_the_monitors_numbers_at_their_steps(t
     assert all("loss" in h for h in history if "loopprobe/probe_loss" in h)  # the Trainer's own
 
 
-def test_report_to_tensorboard_gets_the_numbers_when_the_callback_goes_first(tmp_path):
+def test_report_to_tensorboard_gets_the_numbers_when_the_callback_goes_first(tmp_path, hf_args):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     mon = Monitor(tiny_albert(), BATCH, diagnostics=["updates"], every=2)
-    hf_train(tmp_path, mon, first=True, report_to="tensorboard")
+    hf_train(hf_args, mon, first=True, report_to="tensorboard")
     (events,) = tmp_path.glob("runs/*/events.out.tfevents.*")  # the Trainer's own writer
     ea = EventAccumulator(str(events), size_guidance={"scalars": 0})
     ea.Reload()
@@ -108,16 +89,16 @@ def test_report_to_tensorboard_gets_the_numbers_when_the_callback_goes_first(tmp
     assert all(math.isclose(got[s], want[s], rel_tol=1e-6) for s in want)
 
 
-def test_an_hf_resume_from_a_checkpoint_continues_the_monitors_frame_and_phase(tmp_path):
+def test_an_hf_resume_from_a_checkpoint_continues_the_monitors_frame_and_phase(tmp_path, hf_args):
     diag = {"updates": 1, "increments": 2}  # increments on every 2nd monitored step
     first = Monitor(tiny_albert(), BATCH, diagnostics=diag, every=1)
-    hf_train(tmp_path, first, max_steps=1, save_strategy="steps", save_steps=1)
+    hf_train(hf_args, first, max_steps=1, save_strategy="steps", save_steps=1)
     ckpt = tmp_path / "checkpoint-1"
     saved = json.loads((ckpt / "trainer_state.json").read_text())["stateful_callbacks"]
     assert saved["MonitorCallback"]["attributes"]["monitor_state"]["runs"] == 1
 
     again = Monitor(tiny_albert(), BATCH, diagnostics=diag, every=1)  # a new process's
-    hf_train(tmp_path, again, resume=str(ckpt), max_steps=3)
+    hf_train(hf_args, again, resume=str(ckpt), max_steps=3)
     assert sorted(framed(again, "probe_loss")) == [1, 2, 3]
     assert framed(again, "probe_loss")[1] == framed(first, "probe_loss")[1]
     assert sorted(framed(again, "growth")) == [1, 3]  # the phase went on: not at step 2

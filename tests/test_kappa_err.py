@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_sensitivity import dense_blocks, top_sv
-from thirdparty_models import ForLoopModel, SharedBlockModel, make, one_thread, randn  # noqa: F401
+from thirdparty_models import ForLoopModel, SharedBlockModel, make, randn
 
 import loopprobe as lp
 from loopprobe.estimate.alignment import kappa_interval, visit_alignment

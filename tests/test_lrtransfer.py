@@ -18,14 +18,6 @@ from loopprobe.models import GPTConfig, LoopedGPT
 LRS = [1e-3, 3e-3, 1e-2, 3e-2]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _synthetic(best: dict[int, int], diverge: set[tuple[int, int]] = frozenset()) -> LRTransfer:
     """Parabolic loss in log lr with its minimum at grid index best[N]."""
     rows = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from thirdparty_models import SharedBlockModel, make, one_thread, randn  # noqa: F401
+from thirdparty_models import SharedBlockModel, make, randn
 
 import loopprobe as lp
 from loopprobe import _memory

@@ -56,24 +56,7 @@ def reconstruction(out, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
 
 
-def hf_args(tmp_path):
-    import transformers
-
-    return transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-
-
-def test_the_hf_callback_runs_the_monitor_after_each_trainer_step(tmp_path):
+def test_the_hf_callback_runs_the_monitor_after_each_trainer_step(hf_args):
     import transformers
 
     from loopprobe.integrations.huggingface import MonitorCallback
@@ -84,7 +67,7 @@ def test_the_hf_callback_runs_the_monitor_after_each_trainer_step(tmp_path):
     assert isinstance(cb, transformers.TrainerCallback)
     before = [p.detach().clone() for p in model.parameters()]
     trainer = transformers.Trainer(
-        model=model, args=hf_args(tmp_path), train_dataset=Tokens(), callbacks=[cb]
+        model=model, args=hf_args(), train_dataset=Tokens(), callbacks=[cb]
     )
     trainer.train()
     assert sorted(set(mon.frame.step)) == [1, 2, 3]  # global_step counts the finished step
@@ -96,20 +79,20 @@ def test_the_hf_callback_runs_the_monitor_after_each_trainer_step(tmp_path):
     assert body.visit.tolist() == [0, 1, 2]  # one shared layer group, 3 visits
 
 
-def test_the_hf_callback_builds_its_monitor_on_the_trainers_model(tmp_path):
+def test_the_hf_callback_builds_its_monitor_on_the_trainers_model(hf_args):
     import transformers
 
     from loopprobe.integrations.huggingface import MonitorCallback
 
     model = tiny_albert()
     cb = MonitorCallback(inputs=PROBE, loss_fn=reconstruction, diagnostics=["updates"], every=2)
-    args = hf_args(tmp_path)
+    args = hf_args()
     transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
     assert cb.monitor.model is model
     assert sorted(set(cb.monitor.frame.step)) == [2]
 
 
-def test_the_hf_callback_refuses_a_monitor_of_another_model_and_ambiguous_arguments(tmp_path):
+def test_the_hf_callback_refuses_a_monitor_of_another_model_and_ambiguous_arguments(hf_args):
     import transformers
 
     from loopprobe.integrations.huggingface import MonitorCallback
@@ -119,7 +102,7 @@ def test_the_hf_callback_refuses_a_monitor_of_another_model_and_ambiguous_argume
     other = Monitor(tiny_albert(), PROBE, reconstruction, diagnostics=["updates"])
     trainer = transformers.Trainer(
         model=tiny_albert(),
-        args=hf_args(tmp_path),
+        args=hf_args(),
         train_dataset=Tokens(),
         callbacks=[MonitorCallback(other)],
     )

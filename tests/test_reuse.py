@@ -19,7 +19,6 @@ from thirdparty_models import (
     ForLoopModel,
     SharedBlockModel,
     make,
-    one_thread,  # noqa: F401 (autouse fixture)
     randn,
 )
 from torch import nn

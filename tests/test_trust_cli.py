@@ -16,7 +16,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import uuid
 
 import numpy as np
 import pytest
@@ -101,15 +100,9 @@ USER_MODULE = textwrap.dedent(
 
 
 @pytest.fixture
-def mod(tmp_path, monkeypatch):
+def mod(fresh_cwd):
     """The user's module in a fresh cwd (not on sys.path, as for the console script)."""
-    name = f"trustmodel_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(USER_MODULE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), ".")])
-    yield name
-    for m in [m for m in sys.modules if m.startswith(name)]:
-        del sys.modules[m]
+    return fresh_cwd("trustmodel", USER_MODULE)
 
 
 def kappa_argv(mod: str, factory: str = "make", *extra: str) -> list[str]:

@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 import torch
-from thirdparty_models import make, one_thread, randn  # noqa: F401 (autouse fixture)
+from thirdparty_models import make, randn
 from torch import nn
 
 import loopprobe as lp

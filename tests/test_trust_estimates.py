@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from thirdparty_models import ForLoopModel, make, one_thread, randn  # noqa: F401 (fixture)
+from thirdparty_models import ForLoopModel, make, randn
 from torch import nn
 
 import loopprobe as lp

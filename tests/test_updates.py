@@ -14,7 +14,6 @@ from thirdparty_models import (
     SharedBlockModel,
     TruncatedModel,
     make,
-    one_thread,  # noqa: F401 (autouse fixture)
     randn,
 )
 from torch import nn

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
@@ -290,12 +289,3 @@ def make(cls: type, seed: int = 0, **kw) -> nn.Module:
 def randn(*shape: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny float64 models run fastest on one thread (and do not fight other test workers)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
