@@ -37,8 +37,9 @@ refuses on its fused kernels); the user's settings are untouched outside them:
   ``J v``, one vector at a time), and a backward that cannot be differentiated again is one
   error naming the Function and the way out.
 
-It also measures which floating dtypes a forward computes in (:func:`dtypes_on_path`), so
-that tolerances follow the lowest precision on the path, not the parameters' dtype.
+It also measures which floating dtypes a forward rounds in (:func:`dtypes_on_path`:
+arithmetic and casts to a coarser dtype, not tensors merely made or moved), so that
+tolerances follow the lowest precision on the path, not the parameters' dtype.
 (Buffers written in place during forward: ``transform_safe(module)`` gives a transform
 fresh copies; where loopprobe builds F, ``loopprobe.differentiate.jacobian.VisitJacobian``
 functionalizes it instead.) The layout mode intercepts
@@ -545,8 +546,9 @@ def _floating(t: Any) -> bool:
 
 
 def dtypes_on_path(fn: Callable[[], Any], *, grad: bool = False) -> set[torch.dtype]:
-    """The floating dtypes computed in while ``fn()`` runs (one call; ``grad=True`` with
-    grad enabled, for a forward that needs it: a tensor hook, autograd.grad inside)."""
+    """The floating dtypes rounded in while ``fn()`` runs (:class:`_Dtypes`; one call;
+    ``grad=True`` with grad enabled, for a forward that needs it: a tensor hook,
+    autograd.grad inside)."""
     mode = _Dtypes()
     with torch.set_grad_enabled(grad), mode:
         fn()

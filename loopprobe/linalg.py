@@ -55,10 +55,11 @@ def norm_bounds(value: float, residual: float, eps: float) -> tuple[float, float
     the residual certificate puts an eigenvalue within ``residual * s^2`` of ``s^2``, and
     when it is the top one (the caveat of every Krylov method: a start vector orthogonal
     to the top singular vector finds another) ``||A|| <= s * sqrt(1 + residual)``. Both ends
-    are widened by ``ROUNDOFF_EPS * eps`` (``eps`` of the lowest precision computed in)
-    for roundoff. An unknown estimate (NaN value or residual) gives ``[0, inf]``; one whose
-    residual is above ``TRUST_RESIDUAL`` gives ``[lo, inf]``: its eigenvalue need not be the
-    top one (the early iterations of a Krylov method resolve lower ones first).
+    are widened by ``ROUNDOFF_EPS * eps`` for roundoff (``eps`` of the coarsest dtype the
+    operator's arithmetic rounds in). An unknown estimate (NaN value or residual) gives
+    ``[0, inf]``; one whose residual is above ``TRUST_RESIDUAL`` gives ``[lo, inf]``: its
+    eigenvalue need not be the top one (the early iterations of a Krylov method resolve
+    lower ones first).
     """
     rho = ROUNDOFF_EPS * eps
     if not (value == value and residual == residual):  # NaN: not estimated (yet)

@@ -291,3 +291,14 @@ def test_health_takes_kappas_default_tolerance_from_the_precision():
     h = lp.health(model, randn(3, 6).float(), alpha=1.0, beta=1.0, progress=False)
     assert not [p for p in h.problems if p.startswith("κ_R")], h.problems
     assert h.frame.set_index("check").loc["alignment", "verdict"] != "cannot tell"
+
+
+def test_the_cli_text_prints_kappas_bound_and_interval_and_the_body_count(capsys):
+    from loopprobe.cli import main
+
+    argv = ["kappa", "--model", f"{__name__}:head_every_round", "--inputs",
+            f"{__name__}:head_inputs", "--R", "3"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "M=3 forward visits, M_g=3 gradient-visible" in text
+    assert "kappa_R error bound" in text and "the exact kappa_R lies in [" in text

@@ -68,7 +68,8 @@ class Sensitivity:
     :func:`~loopprobe.estimate.sensitivity_runs.repair_tops`; any makes the result not
     converged. ``basis``: the vectors one
     Lanczos operator held (below ``max_iter``: restarted, :func:`lanczos_basis`). ``eps``:
-    machine epsilon of the lowest precision the forward computes in (the roundoff allowance
+    machine epsilon of the coarsest dtype any arithmetic of the forward rounds in (a float32
+    zero pad does not count, :func:`~loopprobe.autodiff.dtypes_on_path`; the roundoff allowance
     of :func:`~loopprobe.linalg.norm_bounds`).
     """
 
