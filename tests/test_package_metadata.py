@@ -70,3 +70,19 @@ def test_the_readme_for_the_repository_keeps_its_relative_links_and_is_not_the_d
     readme = (ROOT / "README.md").read_text()
     assert re.search(r"\]\(docs/", readme)  # fine on the repository, broken on an index
     assert "](docs/" not in meta.get_payload()
+
+
+def test_the_declared_floors_are_the_ones_the_floor_script_tests(sdist):
+    meta, _ = sdist
+    floors = dict(
+        re.match(r"([A-Za-z]+)>=([\d.]+)$", d).groups()
+        for d in meta.get_all("Requires-Dist")
+        if re.match(r"(torch|numpy|scipy|pandas)>=", d)
+    )
+    script = (ROOT / "scripts" / "test_floors.sh").read_text()
+    for name in ("numpy", "scipy", "pandas"):
+        pinned = re.search(rf'"{name}==([\d.]+)"', script).group(1)
+        assert pinned.startswith(floors[name]), (name, pinned, floors[name])
+    import torch
+
+    assert torch.__version__.startswith(floors["torch"])  # the torch the suite runs on
