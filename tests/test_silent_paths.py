@@ -496,3 +496,13 @@ def test_an_implicit_gradient_calling_the_module_in_backward_is_refused_naming_t
     with pytest.raises(RuntimeError, match="ImplicitBackward") as err:
         lp.per_visit_updates(probe, x, squared)
     assert "checkpoint" not in str(err.value)
+
+
+def test_the_unchanged_model_check_passes_every_entry_point_on_a_train_mode_spectral_norm():
+    import loopprobe.testing as lpt
+
+    model, x = sn_model(), randn(4, 3)
+    ran = lpt.check_probe_leaves_model_unchanged(
+        model, x, squared, alpha=1.0, beta=1.0, increment="delta"
+    )
+    assert "bound_check" in ran and "sensitivity_norms" in ran  # bound's JVP: reverse mode

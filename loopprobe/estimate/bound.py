@@ -20,10 +20,10 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
-from torch.func import functional_call, jvp
+from torch.func import functional_call
 
 from loopprobe._stats import loglog_slope
-from loopprobe.autodiff import transform_safe
+from loopprobe.autodiff import JVP, transform_safe
 from loopprobe.distributed import refuse
 from loopprobe.estimate.alignment import AlignmentReport, visit_alignment
 from loopprobe.estimate.steps import (
@@ -173,7 +173,7 @@ def bound_check(
     with torch.no_grad():
         F0 = F_of(*[p.detach() for p in params])
         F1 = F_of(*[q.detach() for q in new])
-        _, dF = jvp(F_of, tuple(p.detach() for p in params), tuple(delta))
+        _, dF = JVP(model, call)(F_of, tuple(p.detach() for p in params), tuple(delta))
     F_norm = float(F0.norm())
     dF_first = float(dF.norm()) / F_norm
     dF_true = float((F1 - F0).norm()) / F_norm
