@@ -110,6 +110,7 @@ class NoisyNormedLoop(nn.Module):
         self.R = R
         self.block = nn.utils.parametrizations.spectral_norm(nn.Linear(d, d))
         self.gen = torch.Generator().manual_seed(7)
+        self.spare = {"noise": torch.Generator().manual_seed(8)}  # one held in a dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for _ in range(self.R):
@@ -147,6 +148,10 @@ def draw_own_generator(model):
     torch.rand(1, generator=model.gen)
 
 
+def draw_spare_generator(model):
+    torch.rand(1, generator=model.spare["noise"])
+
+
 def test_probing_leaves_parametrization_state_and_a_module_generator_alone():
     m = noisy()
     ran = lpt.check_probe_leaves_model_unchanged(m, randn(4, 6), sq, **KW)
@@ -165,6 +170,7 @@ def test_probing_leaves_parametrization_state_and_a_module_generator_alone():
     [
         (train_forward, r"block.parametrizations.weight.0._u: value changed"),
         (draw_own_generator, r"gen: torch.Generator state advanced"),
+        (draw_spare_generator, r"spare\['noise'\]: torch.Generator state advanced"),
         (lambda m: m.zero_grad(), r"block.bias.grad changed \(set -> None\)"),
         (lambda m: torch.manual_seed(0), r"torch's global RNG state advanced"),
     ],
@@ -173,9 +179,12 @@ def test_a_probe_that_leaves_state_behind_is_caught_after_the_call_that_did_it(
     monkeypatch, bug, needle
 ):
     m = noisy()
-    torch.manual_seed(0)  # a reseeding probe would be invisible from this state, not the check's
     planted(monkeypatch, bug)
-    with pytest.raises(AssertionError, match=r"seen after bound_check\n.*" + needle):
+    with (
+        torch.random.fork_rng(),
+        pytest.raises(AssertionError, match=r"seen after bound_check\n.*" + needle),
+    ):
+        torch.manual_seed(0)  # a reseeding probe would be invisible from here, not the check's
         lpt.check_probe_leaves_model_unchanged(m, randn(4, 6), sq, **KW)
     assert m.block.bias.grad is None  # the check put the caller's .grad back
 

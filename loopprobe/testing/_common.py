@@ -34,7 +34,10 @@ def _own_forward_changes(model: nn.Module, batch: Any, forward: Callable | None)
     before = _snapshot(twin)
     py, npy = random.getstate(), np.random.get_state()
     try:
-        with torch.no_grad(), torch.random.fork_rng():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            # an odd state: a forward that redraws its weights from torch's RNG must not
+            # redraw exactly the values a probe's seeded forward left behind
+            torch.manual_seed(20261201)
             call_model(twin, copy.deepcopy(batch), forward)
         # torch's RNG is forked here; the global ones a forward draws from are the model's
         return [d for d in _differences(before, twin) if "torch's" not in d or "RNG" not in d]

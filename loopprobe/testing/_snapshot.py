@@ -77,14 +77,23 @@ def _rng_state() -> dict:
 
 
 def _generator_states(model: nn.Module) -> dict[str, tuple[torch.Generator, torch.Tensor]]:
-    """Each ``torch.Generator`` held as a module attribute (a module that draws its own
-    dropout masks or noise), with a copy of its state."""
-    return {
-        f"{n}.{attr}" if n else attr: (g, g.get_state())
-        for n, m in model.named_modules()
-        for attr, g in vars(m).items()
-        if isinstance(g, torch.Generator)
-    }
+    """Each ``torch.Generator`` a module holds as an attribute, directly or in a list, tuple
+    or dict attribute (a module that draws its own dropout masks or noise), with a copy of
+    its state."""
+    out = {}
+    for n, m in model.named_modules():
+        for attr, value in vars(m).items():
+            where = f"{n}.{attr}" if n else attr
+            if isinstance(value, dict):
+                items = [(f"{where}[{k!r}]", v) for k, v in value.items()]
+            elif isinstance(value, list | tuple):
+                items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+            else:
+                items = [(where, value)]
+            for name, g in items:
+                if isinstance(g, torch.Generator):
+                    out[name] = (g, g.get_state())
+    return out
 
 
 def _snapshot(model: nn.Module) -> dict:
