@@ -15,6 +15,7 @@ import math
 import health_models as hm
 import huginn_model as hg
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from scipy.stats import t as student_t
@@ -208,6 +209,11 @@ def test_the_report_health_section_shows_the_loss_it_used_and_readings(tmp_path,
     assert res["config"]["loss"] == "the model's own .loss"
     assert {v["verdict"] for v in res["verdicts"]} <= {H.FINE, H.RISK, H.UNKNOWN}
     assert "[fine] alignment: the visits are aligned" in capsys.readouterr().out
+    pngs = [f["png"] for f in sec["figures"]]  # the user's own per-visit figures
+    assert pngs == ["health_visit_norms.png", "health_cosines.png"]
+    assert all((out / p).read_bytes().startswith(b"\x89PNG") for p in pngs)
+    visits = pd.read_csv(out / "health_visits.csv")
+    assert len(visits[visits.sublayer == "core.0"]) == 4  # two core blocks, 4 rounds each
 
 
 def test_a_requested_section_that_cannot_run_exits_2_with_one_line(tmp_path, capsys):

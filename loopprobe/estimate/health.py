@@ -85,7 +85,9 @@ __all__ = ["Health", "health"]
 class Health:
     """One row per check in ``frame`` (columns :data:`COLUMNS`), the raw numbers in ``values``.
 
-    ``converged`` is False when an estimate a verdict rests on did not converge (κ_R's norms,
+    ``visits`` and ``cos_G`` are the per-visit norms and gradient cosines the oscillation and
+    explosion lines read (what the report draws). ``converged`` is False when an estimate a
+    verdict rests on did not converge (κ_R's norms,
     the increments, the eigenpairs); ``reason`` says which. A check that could not run is a
     ``cannot tell`` row (its ``why`` names the fix), not a convergence failure.
     """
@@ -93,6 +95,8 @@ class Health:
     frame: pd.DataFrame
     values: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    visits: pd.DataFrame | None = None  # per visit: ‖U_r‖, ‖G_r‖ (visit_alignment's frame)
+    cos_G: dict[str, torch.Tensor] = field(default_factory=dict)  # per sublayer: cos(G_r, G_s)
 
     @property
     def converged(self) -> bool:
@@ -190,7 +194,7 @@ def health(
     problems = ([f"κ_R: {rep.reason}"] if not rep.converged else []) + inc_problems + fp_problems
     label = loss_label(loss_fn if loss_fn is not None else loss)  # the loss actually used
     values.update(model=type(model).__name__, loss=label, M=int(rep.M), M_g=int(rep.M_g))
-    return Health(pd.DataFrame(rows, columns=COLUMNS), values, problems)
+    return Health(pd.DataFrame(rows, columns=COLUMNS), values, problems, rep.visits, rep.cos_G)
 
 
 def _run_parts(bar, model, inputs, probe, loss, kw, increment, step, fp_max_iter) -> tuple:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
 from loopprobe.estimate.health import health
 from loopprobe.report.common import refusal_is_skip
-from loopprobe.report.config import Context, Result, Skip
+from loopprobe.report.config import Context, Fig, Result, Skip
+from loopprobe.report.sections_alignment import cosine_rows
 from loopprobe.report.verdicts import Verdict
 
 
@@ -39,8 +42,26 @@ def health_section(ctx: Context) -> Result:
     ]
     if not h.converged:
         notes.append(f"not converged: {h.reason}")
+    frames = {"checks": h.frame}
+    figures = []
+    if h.visits is not None and len(h.visits):  # the per-visit readings behind the lines
+        frames.update(visits=h.visits, cosines=pd.DataFrame(cosine_rows(h.cos_G)))
+        figures.append(
+            Fig(
+                "health_visit_norms",
+                "Your model, per visit: ‖U_r,j‖ and ‖G_r,j‖ "
+                "(the explosion line reads ‖G_r‖/‖G_last‖).",
+                "visits",
+                "visit_norms",
+            )
+        )
+        if len(frames["cosines"]):
+            figures.append(Fig("health_cosines", "Your model: cosines of the visits' G_·,j "
+                               "(the oscillation line averages the first off-diagonal).",
+                               "cosines", "visit_cosines"))  # fmt: skip
     return Result(
-        frames={"checks": h.frame},
+        frames=frames,
+        figures=figures,
         tables=[
             ("Health check: one row per check (reading, what to do, measured, theory)", h.frame)
         ],
