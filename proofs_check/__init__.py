@@ -26,6 +26,7 @@ MODULES = (
     "tied_double_sum",
     "visit_alignment",
     "tied_bound",
+    "adam_bound",
     "exponent_threshold",
     "hierarchical_counts",
     "residual_scaling",

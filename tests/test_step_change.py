@@ -8,11 +8,10 @@ import math
 import pytest
 import torch
 from test_sensitivity import dense_blocks, top_sv
-from thirdparty_models import (  # noqa: F401 (one_thread: autouse fixture)
+from thirdparty_models import (
     ForLoopModel,
     MLPBlock,
     make,
-    one_thread,
     randn,
 )
 from torch import nn
@@ -216,3 +215,57 @@ def test_adam_forms_closed_forms_and_their_exponent_against_scales():
         theory.adam_bound_exponent(0.5, 1.5)
     with pytest.raises(TypeError, match="adam_bound: kappa_U must be a real number"):
         theory.adam_bound(4, "R", 0.1)
+
+
+# ------------------------------------------------------------- the reference ladder, AdamW
+
+IDX = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def lm_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    v = logits.shape[-1]
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, v), idx[:, 1:].reshape(-1))
+
+
+def ladder_gpt(R: int, norm: str) -> nn.Module:
+    from loopprobe.models import GPTConfig, LoopedGPT
+
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_heads=2, K=2, R=R, norm=norm)
+    return LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).double()
+
+
+@pytest.mark.parametrize("norm, aligned", [("deepnorm", 0.5), ("deeploop", 0.0)])
+def test_acceptance_adamw_first_step_follows_the_adam_form_not_the_sgd_form(norm, aligned):
+    sweep = lp.bound_sweep(
+        lambda R: ladder_gpt(R, norm), [1, 4, 16], IDX, lm_loss, lr=1e-3,
+        optimizer="adamw", method="lanczos", max_iter=8,
+    )  # fmt: skip
+    f = sweep.frame
+    assert (f.family == "adam").all()
+    assert sweep.slope == pytest.approx(sweep.slope_prediction, abs=0.15)
+    assert sweep.slope_prediction == pytest.approx(aligned, abs=0.1)  # kappa_U ~ R at init
+    assert sweep.C_ratio < 2.0
+    sgd_C = f.dF_true / f.prediction_sgd  # the SGD form judging the same Adam steps
+    if norm == "deepnorm":
+        assert sgd_C.max() / sgd_C.min() > 2.0
+
+
+def test_acceptance_adamw_along_training_the_real_optimizers_step_keeps_the_adam_form():
+    gen = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 16, (2, 8), generator=gen) for _ in range(4)]
+    rows = []
+    for R in (1, 4, 16):
+        model = ladder_gpt(R, "deepnorm")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        for t in range(40):  # v_hat with history: the step is no longer sign(g)
+            opt.zero_grad()
+            lm_loss(model(data[t % 4]), data[t % 4]).backward()
+            opt.step()
+        chk = lp.bound_check(lp.attach(model), IDX, lm_loss, optimizer=opt, max_iter=8)
+        rows.append((R, chk.dF_true, chk.prediction, chk.C, chk.family))
+    assert {r[4] for r in rows} == {"adam"}
+    logR = [math.log(r[0]) for r in rows]
+    slope = lambda ys: (math.log(ys[-1]) - math.log(ys[0])) / (logR[-1] - logR[0])  # noqa: E731
+    assert slope([r[1] for r in rows]) == pytest.approx(slope([r[2] for r in rows]), abs=0.15)
+    Cs = [r[3] for r in rows]
+    assert max(Cs) / min(Cs) < 2.0

@@ -1,0 +1,156 @@
+"""The tied-depth bound under SGD and AdamW on the reference ladder, first step and along training.
+
+Three measurements (docs/results/tied-bound.md shows their tables):
+
+* ``ladder``: LoopedGPT at init, K 2, R 1..16, norm deepnorm and deeploop; one real step of
+  SGD and of AdamW; measured ``||dF|| / ||F||`` against seed 002's ``M_g kappa_R (b/a)^2``
+  and this project's Adam form ``J_g kappa_U (b/a)``; slopes in R and C max/min.
+* ``train``: the same ladder trained with AdamW (lr 1e-3, weight decay 0.1) on byte-level
+  text for ``--steps`` steps; every ``--every`` steps the real next step of the training
+  optimizer (its moments, its weight decay) is checked against the Adam form.
+* ``threshold``: norm ``postp`` with p in {0.25, 0.375, 0.5, 0.625}: the slope of ``||dF||``
+  in R under AdamW at init and after ``--steps`` steps (the exponent that keeps it flat).
+
+Run (one thread, float64, d_model 16, seq 16, batch 8)::
+
+    python scripts/adam_bound.py ladder
+    python scripts/adam_bound.py train --steps 200 --every 50 --only deepnorm   # and deeploop
+    python scripts/adam_bound.py threshold --steps 200 --only 0.25,0.375        # and 0.5,0.625
+    python scripts/adam_bound.py summary --of train                             # merged CSVs
+
+Each run prints its table and writes ``scripts/adam_bound_<part>[_<only>].csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import loopprobe as lp
+from loopprobe._stats import loglog_slope
+from loopprobe.models import GPTConfig, LoopedGPT
+from loopprobe.tasks import lm_loss, stdlib_text
+
+RS = (1, 2, 4, 8, 16)
+HERE = Path(__file__).resolve().parent
+KW = {"method": "lanczos", "max_iter": 20}
+
+
+def build(R: int, norm: str, p: float | None = None) -> LoopedGPT:
+    cfg = GPTConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=2, K=2, R=R, norm=norm, p=p)
+    return LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).double()
+
+
+def probe_batch() -> tuple[torch.Tensor, object]:
+    idx, tgt = stdlib_text(8, 16, torch.Generator().manual_seed(123), split="val")
+    return idx, lambda out, inputs: lm_loss(out, tgt)
+
+
+def check(model: LoopedGPT, optimizer: object, lr: float | None = None) -> dict:
+    idx, loss_fn = probe_batch()
+    with lp.Probe(model) as probe:
+        chk = lp.bound_check(probe, idx, loss_fn, optimizer=optimizer, lr=lr, **KW)
+    keep = ("dF_first", "dF_true", "kappa", "kappa_U", "J_g", "M_g", "prediction", "C",
+            "prediction_sgd", "prediction_adam", "family", "optimizer", "converged")  # fmt: skip
+    row = {k: getattr(chk, k) for k in keep}
+    row["ratio"] = chk.beta / chk.alpha
+    return row
+
+
+def summarise(df: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    rows = []
+    for key, g in df.groupby(by, sort=False):
+        g = g.sort_values("R")
+        rows.append({
+            **dict(zip(by, key if isinstance(key, tuple) else (key,), strict=True)),
+            "slope": loglog_slope(g.R, g.dF_true),
+            "slope_pred": loglog_slope(g.R, g.prediction),
+            "slope_sgd_form": loglog_slope(g.R, g.prediction_sgd),
+            "slope_adam_form": loglog_slope(g.R, g.prediction_adam),
+            "C_ratio": float(g.C.max() / g.C.min()),
+            "C_adam_form_ratio": float((g.dF_true / g.prediction_adam).max()
+                                       / (g.dF_true / g.prediction_adam).min()),
+            "converged": bool(g.converged.all()),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def ladder() -> pd.DataFrame:
+    rows = []
+    for norm in ("deepnorm", "deeploop"):
+        for opt in ("sgd", "adamw"):
+            for R in RS:
+                rows.append({"norm": norm, "opt": opt, "R": R, **check(build(R, norm), opt, 1e-3)})
+    return pd.DataFrame(rows)
+
+
+def train(R: int, norm: str, p: float | None, steps: int, every: int, seed: int = 0):
+    """AdamW on byte-level text; yields (step, check row) every ``every`` steps, step 0 first."""
+    model = build(R, norm, p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    for t in range(steps + 1):
+        if t % every == 0:
+            yield t, check(model, opt)
+        if t == steps:
+            return
+        idx, tgt = stdlib_text(8, 16, gen)
+        opt.zero_grad()
+        lm_loss(model(idx), tgt).backward()
+        opt.step()
+
+
+def along_training(steps: int, every: int, norms: tuple[str, ...]) -> pd.DataFrame:
+    rows = []
+    for norm in norms:
+        for R in RS:
+            for t, row in train(R, norm, None, steps, every):
+                rows.append({"norm": norm, "step": t, "R": R, **row})
+    return pd.DataFrame(rows)
+
+
+def threshold(steps: int, ps: tuple[float, ...]) -> pd.DataFrame:
+    rows = []
+    for p in ps:
+        for R in RS:
+            for t, row in train(R, "postp", p, steps, max(steps, 1)):
+                rows.append({"p": p, "step": t, "R": R, **row})
+    return pd.DataFrame(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("part", choices=("ladder", "train", "threshold", "summary"))
+    ap.add_argument("--of", choices=("ladder", "train", "threshold"), help="summary of")
+    ap.add_argument("--only", default="", help="train: one norm; threshold: comma-separated p")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--every", type=int, default=25)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.process_time()
+    part = args.of if args.part == "summary" else args.part
+    by = {"ladder": ["norm", "opt"], "train": ["norm", "step"], "threshold": ["p", "step"]}[part]
+    if args.part == "summary":  # every CSV the runs of this part wrote
+        df = pd.concat([pd.read_csv(f) for f in sorted(HERE.glob(f"adam_bound_{part}*.csv"))])
+    else:
+        if part == "ladder":
+            df = ladder()
+        elif part == "train":
+            norms = (args.only,) if args.only else ("deepnorm", "deeploop")
+            df = along_training(args.steps, args.every, norms)
+        else:
+            ps = tuple(map(float, args.only.split(","))) if args.only else (0.25, 0.375, 0.5, 0.625)
+            df = threshold(args.steps, ps)
+        tag = f"_{args.only.replace(',', '_')}" if args.only else ""
+        df.to_csv(HERE / f"adam_bound_{part}{tag}.csv", index=False)
+    pd.set_option("display.width", 200)
+    print(summarise(df, by).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(f"CPU-s: {time.process_time() - t0:.0f}")
+
+
+if __name__ == "__main__":
+    main()
