@@ -13,6 +13,7 @@ are compared with these numbers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Real
 
@@ -361,3 +362,17 @@ def residual_multiplier(rule: str, N: float, L: int = 1, lam: float = 1.0) -> fl
     if rule == "1/N":
         return 1.0 / N
     return lam / (N * math.sqrt(L))
+
+
+def predicted_slopes(schemes: Sequence[str], gamma: float = 1.0) -> dict[str, float]:
+    """Predicted log-log slope of ``M κ_R (β/α)²`` in R (fixed K) per named scheme.
+
+    ``1 + gamma - 4p`` (seed 002, Eqs. 14-16): aligned visits (gamma = 1) give 1 for
+    DeepNorm (p = 1/4) and 0 for DeepLoop (p = 1/2). Names :func:`scales` does not know,
+    and ``"postp"`` (whose p is not in its name), are left out.
+    """
+    out = {}
+    for s in schemes:
+        if isinstance(s, str) and s in ALLOWED_NORMS and s != "postp":
+            out[s] = bound_exponent(scales(1, s).p, gamma)
+    return out

@@ -142,7 +142,6 @@ def _run(args: argparse.Namespace, report: Any, sections: list[str] | None) -> i
     applies to), else 0."""
     from loopprobe._threads import work
 
-    _check_plots()
     cfg = report.ReportConfig.quick() if args.quick else report.ReportConfig()
     if args.studies is not None:
         cfg = dataclasses.replace(cfg, studies=args.studies)
@@ -176,15 +175,3 @@ def _run(args: argparse.Namespace, report: Any, sections: list[str] | None) -> i
               + " ".join(why.split()) + ")", file=sys.stderr)  # fmt: skip
         return 2
     return 0
-
-
-def _check_plots() -> None:
-    """The report draws figures: say so before any work when the plots extra is missing."""
-    import importlib.util
-
-    missing = [m for m in ("matplotlib", "seaborn") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ValueError(
-            f"the report draws figures and needs {' and '.join(missing)}: "
-            "pip install 'loopprobe[plots]'"
-        )

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 
-from loopprobe import theory
 from loopprobe._stats import loglog_slope
 from loopprobe.plots._base import (
     REF,
@@ -26,22 +25,9 @@ from loopprobe.plots._base import (
     side_legend,
     two_decimals,
 )
+from loopprobe.theory import predicted_slopes  # noqa: F401 - lp.plots.predicted_slopes
 
 # ------------------------------------------------------------------------ visit alignment
-
-
-def predicted_slopes(schemes: Sequence[str], gamma: float = 1.0) -> dict[str, float]:
-    """Predicted log-log slope of ``M κ_R (β/α)²`` in R (fixed K) per named scheme.
-
-    ``1 + gamma - 4p`` (seed 002, Eqs. 14-16): aligned visits (gamma = 1) give 1 for
-    DeepNorm (p = 1/4) and 0 for DeepLoop (p = 1/2). Names ``theory.scales`` does not know,
-    and ``"postp"`` (whose p is not in its name), are left out.
-    """
-    out = {}
-    for s in schemes:
-        if isinstance(s, str) and s in theory.ALLOWED_NORMS and s != "postp":
-            out[s] = theory.bound_exponent(theory.scales(1, s).p, gamma)
-    return out
 
 
 def kappa_vs_R(

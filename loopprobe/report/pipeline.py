@@ -136,6 +136,13 @@ def _write(outdir: pathlib.Path, ctx: Context, done: list, command: str, runtime
     results["verdicts"] = [v for vals in values for v in vals.get("verdicts", [])]
     for status in ("failed", "skipped"):
         results[status] = [k for k, v in results["sections"].items() if v["status"] == status]
+    figures = [f for s in results["sections"].values() for f in s.get("figures", [])]
+    not_drawn = [f["not_drawn"] for f in figures if f.get("not_drawn")]
+    if not_drawn:  # one note for the page, the terminal and results.json
+        results["figures_note"] = (
+            f"{len(not_drawn)} figure(s) not drawn ({not_drawn[0]}); each one's data is in its "
+            "CSV, and results.json gives the command that redraws it"
+        )
     (outdir / "results.json").write_text(json.dumps(to_jsonable(results), indent=2))
     (outdir / "index.html").write_text(render_html(results, outdir))
     return results
@@ -199,15 +206,6 @@ def _draw(
     df = frame.query(fig.query) if fig.query else frame
     png = f"{fig.name}.png"
     record = {"png": png, "caption": fig.caption, "csv": entry["csv"][fig.frame]}
-    from loopprobe import plots
-
-    try:
-        figure: Figure = getattr(plots, fig.plot)(df, **fig.kwargs)
-        figure = figure if hasattr(figure, "savefig") else figure.figure  # an Axes
-        figure.savefig(outdir / png, dpi=110)
-    except Exception as err:  # noqa: BLE001 - a bad figure is noted, the report goes on
-        record.update(png=None, error=f"{type(err).__name__}: {err}")
-        return record
     load = f"pd.read_csv({record['csv']!r})" + (f".query({fig.query!r})" if fig.query else "")
     args = "".join(f", {k}={v!r}" for k, v in fig.kwargs.items())
     record["replot"] = (
@@ -215,4 +213,15 @@ def _draw(
         f'lp.plots.{fig.plot}({load}{args}).savefig({png!r})"'
     )
     record["recompute"] = f"{ctx.rerun} --sections {section.key}"
+    try:
+        from loopprobe import plots
+    except ImportError as err:  # the core install: the data is in the CSV, the page says so
+        record.update(png=None, not_drawn=str(err))
+        return record
+    try:
+        figure: Figure = getattr(plots, fig.plot)(df, **fig.kwargs)
+        figure = figure if hasattr(figure, "savefig") else figure.figure  # an Axes
+        figure.savefig(outdir / png, dpi=110)
+    except Exception as err:  # noqa: BLE001 - a bad figure is noted, the report goes on
+        record.update(png=None, error=f"{type(err).__name__}: {err}")
     return record

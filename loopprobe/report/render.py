@@ -55,6 +55,7 @@ def format_summary(done: list, results: dict) -> str:
         f"wrote {results['out']}/index.html, results.json, {n_png} figures and CSVs "
         f"in {results['runtime_s']:.0f} s"
     )
+    lines.append(f"note: {results['figures_note']}" if results.get("figures_note") else None)
     lines += [_status_line(results, status) for status in ("failed", "skipped")]
     return "\n".join(ln for ln in lines if ln is not None)
 

@@ -60,16 +60,14 @@ def theory_section(ctx: Context) -> Result:
                 }
             )
     df = pd.DataFrame(rows)
-    from loopprobe import plots  # on call: `loopprobe --help` stays light
-
-    slopes = plots.predicted_slopes(norms)
+    slopes = theory.predicted_slopes(norms)
     summary = pd.DataFrame(
         [
             {
                 "scheme": n,
                 "p": theory.scales(1, n).p,
                 "slope in R (aligned)": slopes.get(n, math.nan),
-                "slope in R (decorrelated)": plots.predicted_slopes([n], 0.0).get(n, math.nan),
+                "slope in R (decorrelated)": theory.predicted_slopes([n], 0.0).get(n, math.nan),
             }
             for n in norms
         ]
@@ -199,9 +197,7 @@ def alignment_section(ctx: Context) -> Result:
     bound["converged"] = bound["converged"].astype(bool)  # object dtype in the shared cell frame
     visits, cos = _split(df, "visit"), _split(df, "cosine")
     Rmax, show = max(cfg.Rs), cfg.norms[0]
-    from loopprobe import plots
-
-    predicted = plots.predicted_slopes(list(cfg.norms))
+    predicted = theory.predicted_slopes(list(cfg.norms))
     slopes = []
     for norm, sub in bound.groupby("norm", sort=False):
         C = sub["C"]
