@@ -509,7 +509,7 @@ def module_running(model: torch.nn.Module, fn: Callable[[], Any], op: str) -> st
 _MOVES = frozenset(
     "cat stack clone copy copy_ _to_copy constant_pad_nd expand index index_select gather "
     "select slice where masked_fill fill_ zero_ zeros_like ones_like full_like empty_like "
-    "repeat flip roll cat_out".split()
+    "repeat flip roll embedding detach alias lift_fresh lift_fresh_copy".split()
 )
 
 

@@ -178,6 +178,8 @@ def test_a_cast_down_rounds_and_counts_a_view_or_a_wider_copy_does_not():
     assert dtypes_on_path(lambda: x.float() * 2) == {torch.float32}
     assert torch.float32 in dtypes_on_path(lambda: x.float())  # the cast itself rounds
     assert torch.float32 in dtypes_on_path(lambda: z + 1)  # arithmetic in float32
+    table = nn.Embedding(5, 4)  # float32 rows looked up, then widened: nothing rounds
+    assert dtypes_on_path(lambda: table(torch.tensor([1, 2])).double() + x) == {torch.float64}
 
 
 def test_visit_rows_are_converged_only_when_their_own_norm_is_within_its_bound():
