@@ -369,10 +369,13 @@ def outside_reads(jac, per: list[torch.Tensor], w: torch.Tensor, eps: float) -> 
     """
     model = jac.probe.model
     params = [p for g in jac.groups for p in g.params]
-    with seeded(jac.seed, jac.device), restored(model), torch.enable_grad():
-        F = pick_output(call_model(model, jac.inputs, jac.forward), jac.output, call=jac.call)
-        full = torch.autograd.grad((F.reshape(-1) * w.to(F.dtype)).sum(), params,
-                                   allow_unused=True)  # fmt: skip
+    try:
+        with seeded(jac.seed, jac.device), restored(model), torch.enable_grad():
+            out = call_model(model, jac.inputs, jac.forward)
+            F = pick_output(out, jac.output, call=jac.call).reshape(-1)
+            full = torch.autograd.grad((F * w.to(F.dtype)).sum(), params, allow_unused=True)
+    except (RuntimeError, TypeError, ValueError):  # the plain forward cannot run: the F(0)
+        return []  # check of VisitJacobian names that already
     out, at = [], 0
     for j, g in enumerate(jac.groups):
         mine = full[at : at + len(g.params)]
