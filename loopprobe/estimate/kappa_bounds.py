@@ -88,11 +88,13 @@ def visits_contradict(U_tied: Interval, U_visits: Sequence[Interval], eps: float
 #: The stopping rule spends this share of ``tol``: kappa's estimate still moves while the
 #: last operators run, and the interval is recomputed at the end from the final estimates.
 STOP_SHARE = 0.5
-#: Below this relative residual roundoff moves nothing: an operator stops there even when
-#: ``tol`` is out of reach (float32 at tol=1e-6 ran every operator to max_iter); the report
-#: then says so.
-RESIDUAL_FLOOR = {torch.float64: 1e-12}
-RESIDUAL_FLOOR_LOW = 1e-5
+
+
+def residual_floor(dtype: torch.dtype) -> float:
+    """Below this relative residual roundoff moves nothing (1e-12 in float64, else 1e-5): an
+    operator stops there even when ``tol`` is out of reach (float32 at tol=1e-6 ran every
+    operator to max_iter); the report then says so."""
+    return 1e-12 if dtype == torch.float64 else 1e-5
 
 
 @dataclass
@@ -111,7 +113,7 @@ class KappaStop:
     (the tied operator then starts from its visits' top vectors, and ``sum_r hi_r`` is worth
     making tight) also its width ``hi_r - lo_r`` must be within ``STOP_SHARE * tol * lo_max
     / (2 kappa_up)``. Every visit runs at least until its interval is finite (residual
-    ``TRUST_RESIDUAL``), and no operator beyond :data:`RESIDUAL_FLOOR`. ``each_visit``:
+    ``TRUST_RESIDUAL``), and no operator beyond :func:`residual_floor`. ``each_visit``:
     every visit norm also to relative error ``tol``.
 
     :meth:`bind` is called by ``sensitivity_norms`` once it knows how it runs
@@ -163,16 +165,15 @@ class KappaStop:
                 for b in visit_ops:
                     value, hi = float(sigma[b]), bounds[b][1]
                     may[b] &= bool(not math.isnan(value) and hi <= value * (1 + tol))
-        floor = RESIDUAL_FLOOR.get(self.dtype, RESIDUAL_FLOOR_LOW)
-        return may[ops] | (res[ops] <= floor)
+        return may[ops] | (res[ops] <= residual_floor(self.dtype))
 
     def _sublayer(self, j: int, visit_ops: list[int], sigma, bounds, may, budget: float) -> None:
         """Which operators of sublayer j (its visits and its tied sum) may stop."""
         t = self._tied_of[j]
         visit_bounds = [bounds[b] for b in visit_ops]
         tied_bounds = bounds[t]
-        kappa_up = min(len(visit_ops), kappa_interval(tied_bounds, visit_bounds, *self._G[j],
-                                                      self.eps)[1])  # fmt: skip
+        _, kappa_hi = kappa_interval(tied_bounds, visit_bounds, *self._G[j], self.eps)
+        kappa_up = min(len(visit_ops), kappa_hi)
         lo_max = max(lo for lo, _ in visit_bounds)
         tied_value, top = float(sigma[t]), tied_top(tied_bounds, visit_bounds, self.eps)
         if top > 0:
