@@ -314,3 +314,32 @@ def test_nan_weights_are_a_finding_naming_the_visit_not_an_exception():
     for k, v in model.state_dict().items():  # probing left the model as it was, NaN included
         assert torch.allclose(before[k], v, equal_nan=True)
     assert str(h).startswith("health of RelaxedLoop: ? gradient-visible")
+
+
+def test_a_real_sigint_at_start_up_or_mid_run_is_one_line_130_and_no_folder(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    cli = [sys.executable, "-m", "loopprobe.cli", "report", "--no-progress"]
+    cli += ["--model", "huginn_model:huginn", "--inputs", "huginn_model:batch"]
+    for when in ("start-up", "mid-run"):
+        out = tmp_path / when / "r"
+        p = subprocess.Popen(
+            [*cli, "--out", str(out)], cwd=tests, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        if when == "start-up":
+            time.sleep(1.0)  # past the interpreter, in the imports main makes
+        else:  # the folder is made just before the computation starts
+            while not out.exists() and time.monotonic() < deadline and p.poll() is None:
+                time.sleep(0.02)
+            assert out.exists(), "the report never started"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 130 and err.decode().count("\n") == 1, err.decode()
+        assert "interrupted" in err.decode() and not (tmp_path / when).exists()
