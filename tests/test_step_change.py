@@ -269,3 +269,28 @@ def test_acceptance_adamw_along_training_the_real_optimizers_step_keeps_the_adam
     assert slope([r[1] for r in rows]) == pytest.approx(slope([r[2] for r in rows]), abs=0.15)
     Cs = [r[3] for r in rows]
     assert max(Cs) / min(Cs) < 2.0
+
+
+def test_health_on_an_adamw_trained_model_states_its_bound_under_adamw():
+    model = ladder_gpt(4, "deepnorm")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        lm_loss(model(IDX), IDX).backward()
+        opt.step()
+    loss = lambda out, x: lm_loss(out, x)  # noqa: E731
+    h = lp.health(model, IDX, loss_fn=loss, optimizer=opt, max_iter=30, progress=False)
+    sgd = lp.health(model, IDX, loss_fn=loss, max_iter=30, progress=False)
+    row = h.frame.set_index("check").loc["bound"]
+    rep = lp.visit_alignment(lp.attach(model), IDX, loss, max_iter=30)
+    body = rep.sublayers
+    kU = float((body.U_tied / body.U_max).max())
+    ratio = model.cfg.beta / model.cfg.alpha
+    assert h.values["optimizer"] == "AdamW (step 3)" and "AdamW (step 3)" in row.claim
+    assert row.value == pytest.approx(len(body) * kU * ratio, rel=1e-6)
+    assert h.values["bound_form"] == "J_g κ^U_R (β/α)"
+    # kappa_U b/a ~ 3.9 x 0.177 ~ 0.7 <= 1 (fine); SGD: M_g kappa_R (b/a)^2 ~ 16 x 3.9 / 32 ~ 2 (risk)
+    assert row.reading == "fine" and sgd.frame.set_index("check").loc["bound"].reading == "risk"
+    assert "γ_U/2" in h.frame.set_index("check").loc["scaling"].predicted
+    with pytest.raises(ValueError, match="health: optimizer='lamb'"):
+        lp.health(model, IDX, loss_fn=loss, optimizer="lamb", progress=False)

@@ -65,6 +65,8 @@ from loopprobe.estimate.health_checks import (  # noqa: F401 - the thresholds, r
     increment_rows,
     round_rows,
 )
+from loopprobe.estimate.health_optimizer import optimizer_rows
+from loopprobe.estimate.steps import check_optimizer
 from loopprobe.record.increments import caller_rng
 from loopprobe.record.probe import Probe
 from loopprobe.record.session import restored
@@ -149,6 +151,7 @@ def health(
     fp_max_iter: int = 100,
     seed: int | None = 0,
     progress: bool = True,
+    optimizer: str | torch.optim.Optimizer = "sgd",
 ) -> Health:
     """The health check of a looped model on one batch: a verdict per check (module docstring).
 
@@ -170,6 +173,9 @@ def health(
     of the fixed-point check. The model, its ``.grad``, modes, buffers and torch's RNG are
     left as they were. A model whose forward or loss is not finite (a NaN weight) gives a
     first row ``finite`` (risk) naming the visit and the parameters, the rest cannot tell.
+    ``optimizer``: what you train with (``"sgd"``, ``"adam"``, ``"adamw"`` or the
+    ``torch.optim.Optimizer``): the bound and scaling lines use its form (Adam/AdamW:
+    ``J_g κ^U_R (β/α)``, docs/definitions.md §8) and ``values["optimizer"]`` names it.
 
     Example::
 
@@ -179,6 +185,7 @@ def health(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"health: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_optimizer(optimizer, None, "health")
     scales = _scales(model, alpha, beta)
     loss = _loss(loss_fn, output)
     kw = dict(forward=forward, output=output, max_iter=max_iter, tol=tol, seed=seed)
@@ -190,6 +197,8 @@ def health(
         return _not_finite(model, err, loss_label(loss_fn if loss_fn is not None else loss))
     rep, inc_rows, inc_problems, fp_rows, fp_problems = parts
     rows, values = alignment_rows(rep, scales)
+    rows, more = optimizer_rows(rows, rep, scales, optimizer)  # the bound under your optimizer
+    values.update(more)
     rows += inc_rows + fp_rows + gradient_rows(rep)
     problems = ([f"κ_R: {rep.reason}"] if not rep.converged else []) + inc_problems + fp_problems
     label = loss_label(loss_fn if loss_fn is not None else loss)  # the loss actually used
