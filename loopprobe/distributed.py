@@ -143,6 +143,18 @@ def full_replica(model: nn.Module, replica: nn.Module) -> nn.Module:
     return replica
 
 
+def _refuse_meta(model: nn.Module, call: str) -> None:
+    """A model on the meta device has shapes and no values: say so before any forward."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    meta = next((name for name, t in tensors if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"{call}: {meta!r} is on the meta device (shapes, no values: a model built under "
+            "torch.device('meta') or loaded with empty weights); materialise the model first: "
+            "model.to_empty(device='cpu') then load its weights, or load it without 'meta'"
+        )
+
+
 def unwrap(model: nn.Module, call: str = "attach") -> tuple[nn.Module, Ranks | None]:
     """The module to probe and the ranks to reduce over.
 
@@ -169,6 +181,7 @@ def unwrap(model: nn.Module, call: str = "attach") -> tuple[nn.Module, Ranks | N
         else:
             break
     _refuse_sharded(model, call)
+    _refuse_meta(model, call)
     if compiled:
         warnings.warn(
             f"{call}: the model is torch.compile'd; probing runs the eager module "

@@ -101,7 +101,17 @@ def visit_row(v: Visit | VisitRecord) -> dict[str, Any]:
 def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) -> Any:
     """``forward(model, inputs)`` if given, else ``model(*inputs)`` for a tuple,
     ``model(**inputs)`` for a mapping (a dict, a Hugging Face ``BatchEncoding``), else
-    ``model(inputs)``."""
+    ``model(inputs)``.
+
+    Compiled code runs eagerly here (``torch.compiler.set_stance("force_eager")``): a model
+    compiled in place (``model.compile()``) would otherwise make Dynamo trace loopprobe's
+    hooks, recompile per visit and lose the visits' gradients; the values are the same.
+    """
+    with torch.compiler.set_stance("force_eager"):
+        return _call(model, inputs, forward)
+
+
+def _call(model: nn.Module, inputs: Any, forward: Forward | None) -> Any:
     if forward is not None:
         return forward(model, inputs)
     if isinstance(inputs, tuple):
