@@ -67,6 +67,8 @@ def test_a_risk_names_what_to_change():
     assert scaling["reading"] == H.RISK and f"(p = {need:.3g})" in scaling["advice"]
     rho = row(h, "spectral radius")
     assert rho["reading"] == H.RISK and rho["value"] > 1 and "damp" in rho["advice"]
+    assert h.reading("bound") == H.RISK and h.risks()["bound"] == bound["advice"]
+    assert set(h.risks()) == set(h.frame.check[h.frame.reading == H.RISK])
 
 
 def test_the_alpha_beta_advice_says_what_they_mean_without_a_residual(huginn):

@@ -109,8 +109,17 @@ class Health:
         return "; ".join(self.problems)
 
     def verdict(self, check: str) -> str:
-        """The verdict of one check (a name in ``frame.check``)."""
+        """The theory's verdict on one check (a name in ``frame.check``): context."""
         return str(self.frame.set_index("check").loc[check, "verdict"])
+
+    def reading(self, check: str) -> str:
+        """The reading of one check: ``fine``, ``risk`` or ``cannot tell`` (what to act on)."""
+        return str(self.frame.set_index("check").loc[check, "reading"])
+
+    def risks(self) -> dict[str, str]:
+        """The checks read as a risk, each with what to change."""
+        risky = self.frame[self.frame.reading.eq(RISK)]
+        return dict(zip(risky.check, risky.advice, strict=True))
 
     def lines(self) -> list[str]:
         """The one-screen summary: per check the reading (fine / risk / cannot tell) with what
