@@ -194,8 +194,10 @@ def _is_true(x: Any) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x)) and bool(x)
 
 
-def _diagnostics(diagnostics: Any) -> dict[str, int]:
-    """Names in run order (kappa first), each with its every-n-th-scheduled-step multiplier."""
+def _diagnostics(diagnostics: Any, custom: Mapping[str, Callable] | None = None) -> dict[str, int]:
+    """Names in run order (kappa first, the user's ``custom`` ones last), each with its
+    every-n-th-scheduled-step multiplier (a custom one not named in ``diagnostics``: 1)."""
+    custom = _custom(custom)
     if isinstance(diagnostics, str):
         raise TypeError(
             f"{CALL}: diagnostics={diagnostics!r} is one string; pass a list, e.g. "
@@ -207,15 +209,55 @@ def _diagnostics(diagnostics: Any) -> dict[str, int]:
         every = dict.fromkeys(diagnostics, 1)
     else:
         raise TypeError(f"{CALL}: diagnostics must be a list of names or a {{name: n}} mapping")
-    unknown = [d for d in every if d not in DIAGNOSTICS]
+    every = {**every, **{c: 1 for c in custom if c not in every}}
+    unknown = [d for d in every if d not in DIAGNOSTICS and d not in custom]
     if unknown or not every:
         raise ValueError(
             f"{CALL}: diagnostics={list(every)}; choose one or more of {list(DIAGNOSTICS)}"
+            + (", or define your own with custom={name: fn}" if unknown else "")
         )
     for name, n in every.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{CALL}: diagnostics[{name!r}]={n!r}; pass an integer n >= 1")
-    return {d: every[d] for d in _RUN if d in every}
+    return {d: every[d] for d in [*_RUN, *custom] if d in every}
+
+
+def _custom(custom: Any) -> dict[str, Callable]:
+    if custom is None:
+        return {}
+    if not isinstance(custom, Mapping):
+        raise TypeError(f"{CALL}: custom must be a {{name: fn}} mapping, got {type(custom)}")
+    for name, fn in custom.items():
+        if not isinstance(name, str) or not name or name in DIAGNOSTICS or "/" in name:
+            raise ValueError(
+                f"{CALL}: custom diagnostic name {name!r}; pass a new name (not one of "
+                f"{list(DIAGNOSTICS)}, no '/')"
+            )
+        if not callable(fn):
+            raise TypeError(f"{CALL}: custom[{name!r}] must be callable (model, inputs) -> value")
+    return dict(custom)
+
+
+def run_custom(fn: Callable, name: str, mon: Monitor, ctx: _Context) -> None:
+    """A user's diagnostic: ``fn(model, inputs)`` gives a number (one model-level row
+    ``quantity=name``) or a ``{sublayer: number}`` mapping (one row per sublayer)."""
+    value = fn(mon.model, mon.inputs)
+    if isinstance(value, Mapping):
+        for sublayer, v in value.items():
+            ctx.add(name, _number(name, v), sublayer=str(sublayer))
+    else:
+        ctx.add(name, _number(name, value))
+
+
+def _number(name: str, v: Any) -> float:
+    if torch.is_tensor(v) and v.numel() == 1:
+        v = v.detach().item()
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TypeError(
+            f"custom diagnostic {name!r} returned {type(v).__name__}; return a number, a "
+            "one-element tensor, or a {sublayer: number} mapping"
+        )
+    return float(v)
 
 
 def _options(options: Any, diagnostics: dict[str, int]) -> dict[str, dict]:

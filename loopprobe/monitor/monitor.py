@@ -31,7 +31,8 @@ Diagnostics (names for ``diagnostics=``), cheapest first; the default is the che
 - ``"sensitivity"``: per-visit ``||U_r||`` and ``U_tied`` (:func:`loopprobe.sensitivity_norms`);
 - ``"rho"``: spectral radius of one round at the state after the model's own rounds
   (:func:`loopprobe.spectral_radius`), the round in eval mode (BatchNorm with its running
-  statistics, as :func:`loopprobe.replay_round` builds it, whatever the training mode); reference models out of the box, others with
+  statistics, as :func:`loopprobe.replay_round` builds it, whatever the training mode);
+  reference models out of the box, others with
   ``options={"rho": {"round": lambda model, inputs: lp.replay_round(model, inputs, "layer")}}``;
 - ``"bound"``: ``C``, ``C_first``, ``dF_true``, ``dF_first``, ``prediction`` of
   :func:`loopprobe.bound_check` (reuses the step's kappa report when there is one).
@@ -66,10 +67,12 @@ from loopprobe.monitor.diagnostics import (
     DIAGNOSTICS,
     KAPPA_TOL,
     _Context,
+    _custom,
     _diagnostics,
     _options,
     _schedule,
     dense_early,
+    run_custom,
 )
 from loopprobe.monitor.sinks import (
     COLUMNS,
@@ -125,6 +128,10 @@ class Monitor:
     :attr:`errors`) and warns once per diagnostic, while the step's other diagnostics run;
     a sink's failure likewise (``<SinkClass>_failed``, one warning per sink); ``True``
     raises. ``on_error``: the former spelling (``"raise"``: strict, ``"warn"``).
+    ``custom``: your own diagnostics, ``{name: fn}`` with ``fn(model, inputs)`` returning a
+    number (a row ``quantity=name``) or ``{sublayer: number}``; they run after the built-in
+    ones on every scheduled step, or every n-th with ``diagnostics={..., name: n}``, under
+    the same guards (the training state untouched, a failure a ``<name>_failed`` row).
     """
 
     def __init__(
@@ -146,12 +153,14 @@ class Monitor:
         seed: int = 0,
         strict: bool | None = None,
         on_error: str | None = None,
+        custom: Mapping[str, Callable] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"{CALL}: model must be an nn.Module, got {type(model).__name__}")
         self.model, self.inputs, self.loss_fn = model, inputs, loss_fn
         self.forward, self.output, self.update, self.seed = forward, output, update, seed
-        self.diagnostics = _diagnostics(diagnostics)
+        self.custom = _custom(custom)
+        self.diagnostics = _diagnostics(diagnostics, self.custom)
         self.options = _options(options, self.diagnostics)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(
@@ -262,7 +271,10 @@ class Monitor:
         """One diagnostic; unless strict, its failure becomes a row (and a first warning)."""
         kept = len(ctx.rows)
         try:
-            _RUN[name](self, ctx)
+            if name in self.custom:
+                run_custom(self.custom[name], name, self, ctx)
+            else:
+                _RUN[name](self, ctx)
         except Exception as err:
             if self.strict:
                 raise
