@@ -48,8 +48,15 @@ def deeploop(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
         )  # fmt: skip
         for b in ("post", "deepnorm")
     ]
+    # Issue 39: the pre-registered criterion gives its verdict, but one R cannot test a
+    # boundary that should hold at every depth, and "stays on the floor" mixes unstable runs
+    # with slow ones: reported undecided, the pre-registered outcome kept in the reason.
     out.append(_verdict("DeepLoop", "p-sweep: stability boundary near p = 1/2",
-                        boundary["verdict"], boundary["reason"], "deeploop.md"))  # fmt: skip
+                        "undecided (the design cannot decide it: a sweep at one R cannot test "
+                        "a boundary meant for every depth, and 'escaped the floor' mixes "
+                        f"unstable runs with slow ones; the pre-registered criterion gave "
+                        f"'{boundary['verdict']}')", boundary["reason"],
+                        "deeploop.md"))  # fmt: skip
     cpu = cells.drop_duplicates(["arm", "p", "R", "seed"])["cpu_s"].sum() / 60
     tables = [("DeepLoop − baseline, final held-out loss (paired, 95 % t)", show),
               ("DeepLoop p-sweep at R = 3 (escaped the unigram floor)", sweep)]  # fmt: skip
@@ -65,9 +72,12 @@ def lr_edge(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     s = le.slopes(e)
     v, why = le.verdict(e, s)
     tables = [("LR edge: slope of log2 η_edge on log2 N (95 % t over seeds)", s)]
+    from studies.lr_edge.posthoc import posthoc_verdicts
+
     return (
         tables,
-        [_verdict("LR edge", "slope −½ under 1/√N, 0 under 1/N", v, why, "lr_edge.md")],
+        [_verdict("LR edge", "slope −½ under 1/√N, 0 under 1/N", v, why, "lr_edge.md")]
+        + posthoc_verdicts(cells),
         [f"LR-edge study: {cells.seed.nunique()} seeds"],
     )
 
@@ -96,7 +106,19 @@ def finite_step(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     out = [_verdict("finite step", r["criterion"], r["verdict"],
                     f"{r['estimate']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}]", "finite_step.md")
            for r in v.to_dict("records")]  # fmt: skip
-    return [("Finite-step failures, transition 4 → 5 (paired bootstrap)", v)], out, []
+    from studies.finite_step import per_model as pm  # issue 39.5: intervals over models
+
+    cells = path.with_name(pathlib.Path(pm.CELLS).name)
+    if not cells.exists():
+        return [("Finite-step failures, transition 4 → 5 (paired bootstrap)", v)], out, [
+            f"finite step: no {cells.name} beside the verdicts, no per-model rows"]
+    models = pm.over_models(pm.per_model(pd.read_csv(cells)))
+    out += [_verdict(f"finite step, over {r['models']} models (post hoc)", r["criterion"],
+                     r["verdict"], f"{r['estimate']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] "
+                     f"(t over models: {r['values']}; stated after the data, issue 39)",
+                     "finite_step.md") for r in models.to_dict("records")]  # fmt: skip
+    return [("Finite-step failures, transition 4 → 5 (paired bootstrap)", v),
+            ("Finite-step criteria over models (t, post hoc)", models)], out, []  # fmt: skip
 
 
 def flt(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:

@@ -20,6 +20,7 @@ import pathlib
 import pandas as pd
 
 from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN, Verdict
+from studies import scope
 from studies.judges import issue30_studies
 from studies.lr_transfer.analysis import (
     LR_RUNS,
@@ -121,6 +122,7 @@ def collect(root: pathlib.Path = HERE) -> tuple[list, list[tuple[str, Verdict]],
     tables += more_tables
     verdicts += more_verdicts
     notes += more_notes
+    verdicts = [(study, scope.worded(study, v)) for study, v in verdicts]  # issue 39.7
     return tables, verdicts, notes
 
 

@@ -1,0 +1,94 @@
+"""What each verdict was tested at, and what would decide an undecided one (issue 39.7).
+
+A study's verdict is about the scale and design it ran, not the paper's: every row of
+``studies/verdicts.csv`` carries ``[tested: ...]`` after its claim (model, budget, optimizer
+setting, seeds), and every undecided row says in ``why`` what would decide it. The entries
+are matched by study and claim prefix, first match wins; :func:`worded` applies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from loopprobe.report.verdicts import UNKNOWN, Verdict
+
+_LRT1 = "pre-norm LoopedGPT d 32, N 1-8, 120 AdamW steps, octave lr grid, 8 seeds"
+_LRT2 = "pre-norm LoopedGPT d 32, N 1-8, 200 AdamW steps, half-octave lr grid, 12 seeds"
+_LRT_DECIDE = ("an interval narrower than the 0.75-octave margin: more seeds (about 4x) or a "
+               "finer grid around each optimum")  # fmt: skip
+_REACH = "one-block pre-norm LoopedGPT d 32, R 4, prefix sums and sudoku-like, <= 1000 steps"
+_REACH64 = _REACH + ", 36 runs x 64 inputs"
+_REACH_DECIDE = ("a no-outer-norm arm that can have fixed points (post-norm) and >= 10 runs "
+                 "per arm (pre-registered in docs/studies/reachability.md)")  # fmt: skip
+_DL = ("post-norm LoopedGPT d 32, K 2, 1000 steps, one lr 3e-3 for every arm (below each arm's "
+       "optimum), clip 1, 12 seeds")  # fmt: skip
+_EDGE = ("pre-norm LoopedGPT d 32, K 1, N 1-16, 200 steps, clip 1, failure = ending within "
+         "0.1 nats of the unigram floor, 6 seeds")  # fmt: skip
+_FS = ("3 trained models (pre-norm d 32, K 1, R 4, prefix sums, 600 steps), intervals over "
+       "inputs only")  # fmt: skip
+_FLT = "LT and FLT d 32, K 2, R 12, 300 steps, lr 1e-2 and 3e-2, no clipping, 5 seeds"
+
+#: (study, claim prefix, what was tested, what would decide it if undecided)
+SCOPES: list[tuple[str, str, str, str]] = [
+    ("lr_transfer", "run 1", _LRT1, _LRT_DECIDE),
+    ("lr_transfer", "run 2: 1/√N moves the optimum 1.5", _LRT2,
+     "a contrast interval that excludes -1.5 under the quartic vertex too: more seeds"),
+    ("lr_transfer", "run 2", _LRT2, _LRT_DECIDE),
+    ("reachability", "64-input study", _REACH64, _REACH_DECIDE),
+    ("reachability", "outer norm is what", _REACH + ", 24 runs; without the outer norm the "
+     "pre-norm stream drifts linearly, so no weights reach a fixed point: holds by construction",
+     ""),
+    ("reachability", "A: recall", _REACH + ", 24 runs",
+     "more iterations per miss and >= 10 runs per arm"),
+    ("reachability", "B: without recall", _REACH + ", 24 runs",
+     "a design where the no-recall fixed point is not input-free by construction"),
+    ("reachability", "", _REACH + ", 24 runs", _REACH_DECIDE),
+    ("deeploop", "DeepLoop: p-sweep", "the design above at R = 3 only, 5 seeds",
+     "the p-sweep across R in {2, 4, 8, 16} with an instability outcome (pre-registered in "
+     "docs/studies/deeploop.md, Redesign)"),
+    ("deeploop", "DeepLoop (redesign)", "post-norm LoopedGPT d 32, K 2, 1000 steps, each arm at "
+     "its own tuned lr, 6 seeds", "the redesign's cells complete (docs/studies/deeploop.md)"),
+    ("deeploop", "", _DL,
+     "each arm at its own tuned lr, >= 6 seeds (the redesign in docs/studies/deeploop.md)"),
+    ("lr_edge", "LR edge (post hoc", _EDGE.replace(", failure = ending within 0.1 nats of the "
+     "unigram floor", ""), "a pre-registered run with failure defined by instability during "
+     "training (docs/studies/lr_edge.md, Redesign)"),
+    ("lr_edge", "LR edge cells (post hoc", _EDGE.split(", failure")[0] + ", 6 seeds; the "
+     "rates every seed ran (octave grid 2^-7 .. 2^0)", ""),
+    ("lr_edge", "", _EDGE, "an edge defined by instability during training, not by the floor"),
+    ("lr_l", "", "pilot task search only, d 32, <= 2000 steps, 1 seed",
+     "the grid without the gate: L in {1, 2} x N in {1, 2, 4, 8}, half-octave lr grid, >= 4 "
+     "seeds (pre-registered in docs/studies/lr_l.md)"),
+    ("finite_step", "finite step, over", _FS.replace("intervals over inputs only",
+     "t interval over the 3 models"), ">= 10 trained models (pre-registered in "
+     "docs/studies/finite_step.md): with 3 the t quantile is 4.30"),
+    ("finite_step", "", _FS,
+     ">= 10 trained models with statistics per model and intervals over models (pre-registered "
+     "in docs/studies/finite_step.md)"),
+    ("flt", "FLT: oscillation", _FLT + "; the signal is the across-visit gradient cosine, not "
+     "the paper's per-layer gradient-norm oscillation", "the paper's own oscillation diagnostic "
+     "on a pilot-chosen lr and R where the looped baseline collapses in >= 80 % of seeds "
+     "(pre-registered in docs/studies/flt.md)"),
+    ("flt", "FLT: explosion", _FLT + "; the flag is an absolute stream RMS > 10, on at "
+     "initialisation for unscaled loops", "a growth flag relative to each run's own start"),
+    ("flt", "", _FLT, "an lr and R where the looped baseline collapses in >= 80 % of a "
+     ">= 3-seed pilot (pre-registered in docs/studies/flt.md)"),
+]  # fmt: skip
+
+
+def scope_of(study: str, claim: str) -> tuple[str, str]:
+    """(what was tested, what would decide it) for a verdict of ``study`` on ``claim``."""
+    for s, prefix, tested, decide in SCOPES:
+        if s == study and claim.startswith(prefix):
+            return tested, decide
+    raise ValueError(f"scope_of: no scope for study {study!r}, claim {claim!r}; add one to "
+                     "studies.scope.SCOPES")  # fmt: skip
+
+
+def worded(study: str, v: Verdict) -> Verdict:
+    """``v`` with ``[tested: ...]`` after its claim and, when undecided, what would decide it."""
+    tested, decide = scope_of(study, v.claim)
+    why = v.why
+    if v.verdict == UNKNOWN and decide:
+        why = f"{why}; would decide it: {decide}" if why else f"would decide it: {decide}"
+    return dataclasses.replace(v, claim=f"{v.claim} [tested: {tested}]", why=why)
