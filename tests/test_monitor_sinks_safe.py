@@ -108,3 +108,16 @@ def test_a_strict_monitor_raises_the_sinks_error(tmp_path):
     csv.mkdir()
     with pytest.raises(IsADirectoryError):
         mon.step(1)
+
+
+def test_the_notice_is_silenced_like_any_library_logger(tmp_path, monkeypatch, caplog):
+    hide(monkeypatch, "matplotlib", "seaborn")
+    logger = logging.getLogger("loopprobe")
+    monkeypatch.setattr(logger, "level", logging.ERROR)  # what a user sets; restored after
+    sink = TensorBoardSink(tmp_path / "tb", heatmap_every=1)
+    mon = Monitor(tiny(), IDX, loss_fn, diagnostics=["updates"], every=1, sinks=[sink])
+    with caplog.at_level(logging.DEBUG):  # the root handler would show any record
+        train_and_watch(mon, 1)
+        mon.close()
+    assert not [r for r in caplog.records if "heat maps" in r.getMessage()]
+    assert sink.heatmaps == ()  # skipped all the same
