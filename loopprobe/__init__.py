@@ -137,7 +137,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _moved() -> dict[str, str]:
-    """Result types that moved to ``lp.results`` (issue 28): the old ``lp.X`` still works."""
+    """Result types that moved to ``lp.results``: the old ``lp.X`` still works."""
     return importlib.import_module("loopprobe.results")._NAMES
 
 

@@ -7,7 +7,7 @@ descheduled for a time slice and the run collapses. Measured on a 2-core machine
 core kept busy by a busy-loop process (``benchmarks/bench_threads.py``, a shared machine
 with a load average of about 8 during the run): ``loopprobe kappa --K 2 --R 4 --norm
 deeploop --max-iter 20`` (d_model 32) took over 240 s with two threads and 71 s with one
-(> 3.4x), and issue 18 measured 20 s against over 5 minutes at 100 iterations. One
+(> 3.4x), and an earlier run measured 20 s against over 5 minutes at 100 iterations. One
 forward+backward of that model gains nothing from a second thread even on a quiet
 machine (1.04x), while with one core busy it loses 1.4x at d_model 32, 2.2x at 64, 2.8x
 at 128 and 1.7x at 256; on a quiet machine two threads gain from d_model 64 on (0.84x,

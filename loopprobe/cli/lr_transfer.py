@@ -9,7 +9,7 @@ Trains the pre-norm reference LoopedGPT (one block looped N times) on byte-level
 text for ``--steps`` AdamW steps per (rule, N, lr, seed), evaluates the held-out loss,
 and prints the best lr per N and its drift across N in grid steps (positive = moves
 right). Writes ``lr_transfer.csv`` and ``lr_transfer.png`` with ``--out``. Cells are
-cached with ``--cache`` (an interrupted run resumes). Reference: seed 004; issue 4.
+cached with ``--cache`` (an interrupted run resumes). Reference: seed 004.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class VisitJacobian:
         with the plain parameters), sharing discovery, seed and checks: its JVP carries
         tangents from the first of them on and its VJP graph reaches back to it only, with
         weight gradients for them alone, so an operator over some visits costs their part of
-        the loop rather than all of it (issue 29.2). Masks index ``ks`` in order. ``self``
+        the loop rather than all of it. Masks index ``ks`` in order. ``self``
         where the products do not come from ``torch.func`` (plain autograd, functionalized
         buffer writes): those keep their one graph."""
         self.vjp_fn()
@@ -389,7 +389,7 @@ class VisitJacobian:
 
     def _reverse_jvp(self) -> Any:
         """``u -> U^T u``'s own VJP, built once from the VJP graph: ``U t`` as a backward
-        of the backward (issue 29.3). Forward-mode dual tensors cost 1.4-2x a VJP
+        of the backward. Forward-mode dual tensors cost 1.4-2x a VJP
         (benchmarks/bench_jvp_modes.py: 0.68x the forward-mode product at d 64); this
         reuses the one graph. It is used from the second product on: the first is forward
         mode, so the adjointness check of every product (``<U^T U v, v> = ||U v||^2``) still

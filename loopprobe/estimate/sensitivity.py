@@ -206,8 +206,8 @@ def sensitivity_norms(
     relative size ``VISIT_NOISE`` (the visits of a sublayer read the output through nearly the same
     direction when they are aligned). With aligned visits the tied operator's first product
     already gives a lower end that :func:`~loopprobe.estimate.alignment.kappa_interval`
-    pairs with ``sum_r ||U_r||`` (issue 29.1; measured in benchmarks/bench_kappa_cost.py).
-    Before issue 29 the order was the reverse (tied first, visits from it: 17-18% fewer
+    pairs with ``sum_r ||U_r||`` (measured in benchmarks/bench_kappa_cost.py). An
+    earlier order was the reverse (tied first, visits from it: 17-18% fewer
     products than cold starts at the default tolerance, bench_convergence.py --work).
     ``stop`` (replaces ``tol``): a rule over all operators at once, for a quantity computed
     from several norms (:func:`~loopprobe.estimate.alignment.visit_alignment` stops each

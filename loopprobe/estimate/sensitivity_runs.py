@@ -34,7 +34,7 @@ def default_tol(dtype: torch.dtype, method: str = "power") -> float:
     1e-10 in float64. Lanczos (relative Ritz residual ``r / theta``): 1e-6 in float64, because
     an eigenvalue of ``U^T U`` lies within ``r`` of the Ritz value ``theta``, so ``||U||^2``
     is within 1e-6 and ``||U||`` within 5e-7 relative of the top value the Krylov space
-    holds (the actual error is about ``r^2 / gap``, far smaller: README, issue 18.2). Both
+    holds (the actual error is about ``r^2 / gap``, far smaller, as measured). Both
     methods: 1e-5 in float32; half precision 1e-3, and its estimates are never reported
     converged (see ``precision``)."""
     if is_half(dtype):

@@ -220,7 +220,7 @@ def lr_transfer(
 
     ``batch_fn(step, generator)`` gives training batches (the generator is seeded per
     seed, so every lr sees the same data); ``eval_batches`` is a fixed list of held-out
-    ``(inputs, targets)``. Reference: seed 004; issue 4.
+    ``(inputs, targets)``. Reference: seed 004.
     """
     call = "lr_transfer"
     lrs = _check(call, Ns, lrs, seeds, steps)

@@ -164,7 +164,7 @@ def recall_study(
     return pd.DataFrame(rows)
 
 
-# ----------------------------------------------- many inputs per run (issue 30.3)
+# --------------------------------------------------------- many inputs per run
 
 BASE_ITER, HARD_CAP, RATE_WINDOW, NOT_CONTRACTING = 300, 4000, 50, 0.999
 

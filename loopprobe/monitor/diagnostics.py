@@ -74,7 +74,7 @@ class _Context:
 
 
 def _run_kappa(mon: Monitor, ctx: _Context) -> None:
-    # a diagnostic during training needs kappa to 1e-2, not to the last digit (issue 29)
+    # a diagnostic during training needs kappa to 1e-2, not to the last digit
     kw = {"tol": KAPPA_TOL, **mon._kw("kappa", "forward", "output", "seed")}
     rep = visit_alignment(mon.probe, mon.inputs, mon.loss_fn, update=mon.update, **kw)
     ctx.report = rep

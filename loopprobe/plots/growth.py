@@ -96,7 +96,7 @@ def coord_check(
     (e.g. ``RMS(h_N(t) − h_N(0))  (state_change)``), else to ``y``. Seeds are averaged.
     Flat lines mean the parameterization is stable in N (the looped analogue of mup's
     coord check).
-    Reference: docs/definitions.md §5; issue 4.
+    Reference: docs/definitions.md §5; seed 004 (Loop-μP).
     """
     df = check_frame("coord_check", df, {"x": x, "y": y, "col": col, "hue": hue})
     steps = sorted(df[col].unique())
@@ -152,7 +152,7 @@ def lr_transfer(
 
     Columns: ``x`` (learning rate), ``y`` (loss after training), ``hue`` (N), ``col``
     (optional panel variable, e.g. the residual rule). Seeds are averaged. The best lr
-    staying put across N is transfer. Reference: issue 4 (Loop-μP, seed 004).
+    staying put across N is transfer. Reference: seed 004 (Loop-μP).
     """
     df = check_frame("lr_transfer", df, {"x": x, "y": y, "hue": hue, "col": col})
     panels = order(df, col)
