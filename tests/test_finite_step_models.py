@@ -28,7 +28,8 @@ def test_over_models_is_a_t_interval_over_models_with_the_prestated_directions()
     models = pd.DataFrame({"recovery_quarter": [0.9, 0.8, 0.85, 0.95],
                            "sign_acc_AQ": [0.90, 0.91, 0.92, 0.93],
                            "spearman_AQ": [0.995, 0.997, 0.996, 0.998],
-                           "spearman_generic_max": [0.5, 0.1, 0.2, 0.3]})  # fmt: skip
+                           "spearman_generic_max": [0.5, 0.1, 0.2, 0.3],
+                           "n_finite_step": [10, 10, 10, 10]})  # fmt: skip
     t = pm.over_models(models).set_index("criterion")
     v = models["recovery_quarter"]
     h = stats.t.ppf(0.975, 3) * v.std(ddof=1) / math.sqrt(4)
@@ -38,6 +39,9 @@ def test_over_models_is_a_t_interval_over_models_with_the_prestated_directions()
     assert t.loc["H2 sign(A+Q) accuracy >= 97%", "verdict"] == "fails"
     assert t.loc["H3 Spearman(A+Q, dU) >= 0.99", "verdict"] == "holds"
     assert t.loc["H4 generic |Spearman| <= 0.29", "verdict"] == "undecided"
+    few = pm.over_models(models.assign(n_finite_step=[10, 10, 10, 4])).set_index("criterion")
+    assert few.loc["H1 quarter step recovers >= 72%", "models"] == 3  # the 4-failure model out
+    assert few.loc["H2 sign(A+Q) accuracy >= 97%", "models"] == 4
     low = pm.over_models(models.assign(spearman_generic_max=[0.10, 0.12, 0.11, 0.13]))
     assert low.set_index("criterion").loc["H4 generic |Spearman| <= 0.29", "verdict"] == "holds"
 

@@ -24,6 +24,7 @@ from studies._common import here
 
 CELLS = here(__file__, "finite_step_study.csv.gz")
 PRIMARY = "4->5"
+MIN_FAILURES = 5  # a model's recovery (H1) needs this many finite-step failures
 #: criterion -> (statistic, threshold, direction), as pre-registered in run.py's CRITERIA
 CRITERIA = {
     "H1 quarter step recovers >= 72%": ("recovery_quarter", 0.72, ">="),
@@ -44,10 +45,14 @@ def per_model(cells: pd.DataFrame, transition: str = PRIMARY) -> pd.DataFrame:
 def over_models(models: pd.DataFrame, level: float = 0.95) -> pd.DataFrame:
     """Per criterion: the models' values, their mean, the t interval over models and the
     verdict (holds: the interval on the claimed side of the threshold; fails: entirely on the
-    other side; undecided otherwise or with fewer than 2 models)."""
+    other side; undecided otherwise or with fewer than 2 models). H1 counts only the models
+    with at least ``MIN_FAILURES`` finite-step failures."""
     rows = []
     for name, (stat, t, d) in CRITERIA.items():
-        v = models[stat].to_numpy(float)
+        v = models[stat]
+        if stat == "recovery_quarter":
+            v = v[models["n_finite_step"] >= MIN_FAILURES]
+        v = v.to_numpy(float)
         v = v[np.isfinite(v)]
         n, m = len(v), float(v.mean()) if len(v) else math.nan
         lo = hi = math.nan
