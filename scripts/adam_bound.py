@@ -17,6 +17,7 @@ Run (one thread, float64, d_model 16, seq 16, batch 8)::
     python scripts/adam_bound.py train --steps 200 --every 50 --only deepnorm   # and deeploop
     python scripts/adam_bound.py threshold --steps 200 --only 0.25,0.375        # and 0.5,0.625
     python scripts/adam_bound.py summary --of train                             # merged CSVs
+    python scripts/adam_bound.py diagnose --steps 200 --every 50   # kappa_step, step size
 
 Each run prints its table and writes ``scripts/adam_bound_<part>[_<only>].csv``.
 """
@@ -88,14 +89,14 @@ def ladder() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def train(R: int, norm: str, p: float | None, steps: int, every: int, seed: int = 0):
+def train(R: int, norm: str, p: float | None, steps: int, every: int, seed: int = 0, diag=False):
     """AdamW on byte-level text; yields (step, check row) every ``every`` steps, step 0 first."""
     model = build(R, norm, p)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed)
     for t in range(steps + 1):
         if t % every == 0:
-            yield t, check(model, opt)
+            yield t, diagnose(model, opt) if diag else check(model, opt)
         if t == steps:
             return
         idx, tgt = stdlib_text(8, 16, gen)
@@ -104,11 +105,23 @@ def train(R: int, norm: str, p: float | None, steps: int, every: int, seed: int 
         opt.step()
 
 
-def along_training(steps: int, every: int, norms: tuple[str, ...]) -> pd.DataFrame:
+def diagnose(model: LoopedGPT, optimizer: object) -> dict:
+    """Which assumption moves: the step's size per coordinate (A2) or its alignment."""
+    idx, loss_fn = probe_batch()
+    with lp.Probe(model) as probe:
+        sc = lp.step_change(probe, idx, loss_fn, optimizer=optimizer, norms=False)
+    n = sum(d.numel() for d in sc.delta)
+    lr = optimizer.param_groups[0]["lr"]
+    return {"dF_first": sc.dF_first, "kappa_step": float(sc.sublayers.kappa_step.max()),
+            "step_rms_over_lr": sc.step_norm / (n**0.5 * lr), "sum_error": sc.sum_error,
+            "ratio": model.cfg.beta / model.cfg.alpha, "J_g": len(sc.sublayers)}  # fmt: skip
+
+
+def along_training(steps: int, every: int, norms: tuple[str, ...], diag: bool = False):
     rows = []
     for norm in norms:
         for R in RS:
-            for t, row in train(R, norm, None, steps, every):
+            for t, row in train(R, norm, None, steps, every, diag=diag):
                 rows.append({"norm": norm, "step": t, "R": R, **row})
     return pd.DataFrame(rows)
 
@@ -124,7 +137,7 @@ def threshold(steps: int, ps: tuple[float, ...]) -> pd.DataFrame:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=("ladder", "train", "threshold", "summary"))
+    ap.add_argument("part", choices=("ladder", "train", "threshold", "diagnose", "summary"))
     ap.add_argument("--of", choices=("ladder", "train", "threshold"), help="summary of")
     ap.add_argument("--only", default="", help="train: one norm; threshold: comma-separated p")
     ap.add_argument("--steps", type=int, default=300)
@@ -132,6 +145,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.process_time()
+    if args.part == "diagnose":  # the training runs again: step size and step alignment
+        norms = (args.only,) if args.only else ("deepnorm", "deeploop")
+        df = along_training(args.steps, args.every, norms, diag=True)
+        df.to_csv(HERE / f"adam_bound_diagnose{'_' + args.only if args.only else ''}.csv")
+        pd.set_option("display.width", 200)
+        for col in ("kappa_step", "step_rms_over_lr", "dF_first"):
+            print(col, df.pivot_table(index=["norm", "step"], columns="R", values=col), sep="\n")
+        return
     part = args.of if args.part == "summary" else args.part
     by = {"ladder": ["norm", "opt"], "train": ["norm", "step"], "threshold": ["p", "step"]}[part]
     if args.part == "summary":  # every CSV the runs of this part wrote

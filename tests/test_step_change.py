@@ -250,25 +250,24 @@ def test_acceptance_adamw_first_step_follows_the_adam_form_not_the_sgd_form(norm
         assert sgd_C.max() / sgd_C.min() > 2.0
 
 
-def test_acceptance_adamw_along_training_the_real_optimizers_step_keeps_the_adam_form():
+def test_along_adamw_training_the_read_side_stays_exact_and_the_bound_holds():
+    # The Adam *form* breaks along training (docs/results/tied-bound.md: v_hat's history
+    # shrinks the step and kappa_U stops tracking the step's alignment); the read side and
+    # the optimizer-free bound must hold at every step whatever the optimizer's state.
     gen = torch.Generator().manual_seed(5)
     data = [torch.randint(0, 16, (2, 8), generator=gen) for _ in range(4)]
-    rows = []
-    for R in (1, 4, 16):
-        model = ladder_gpt(R, "deepnorm")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-        for t in range(40):  # v_hat with history: the step is no longer sign(g)
-            opt.zero_grad()
-            lm_loss(model(data[t % 4]), data[t % 4]).backward()
-            opt.step()
-        chk = lp.bound_check(lp.attach(model), IDX, lm_loss, optimizer=opt, max_iter=8)
-        rows.append((R, chk.dF_true, chk.prediction, chk.C, chk.family))
-    assert {r[4] for r in rows} == {"adam"}
-    logR = [math.log(r[0]) for r in rows]
-    slope = lambda ys: (math.log(ys[-1]) - math.log(ys[0])) / (logR[-1] - logR[0])  # noqa: E731
-    assert slope([r[1] for r in rows]) == pytest.approx(slope([r[2] for r in rows]), abs=0.15)
-    Cs = [r[3] for r in rows]
-    assert max(Cs) / min(Cs) < 2.0
+    model = ladder_gpt(4, "deeploop")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for t in range(30):
+        opt.zero_grad()
+        lm_loss(model(data[t % 4]), data[t % 4]).backward()
+        opt.step()
+    sc = lp.step_change(lp.attach(model), IDX, lm_loss, optimizer=opt, max_iter=40)
+    assert sc.converged, sc.reason
+    assert sc.sum_error < 1e-8 and sc.dF_first <= sc.bound
+    assert sc.dF_first == pytest.approx(sc.dF_true, rel=0.05)  # lr 1e-3: first order
+    rms = sc.step_norm / (sum(d.numel() for d in sc.delta) ** 0.5 * 1e-3)
+    assert 0 < rms < 1.0  # with history the step is below lr per coordinate (A2 at step one)
 
 
 def test_health_on_an_adamw_trained_model_states_its_bound_under_adamw():
@@ -289,7 +288,7 @@ def test_health_on_an_adamw_trained_model_states_its_bound_under_adamw():
     assert h.values["optimizer"] == "AdamW (step 3)" and "AdamW (step 3)" in row.claim
     assert row.value == pytest.approx(len(body) * kU * ratio, rel=1e-6)
     assert h.values["bound_form"] == "J_g κ^U_R (β/α)"
-    # kappa_U b/a ~ 3.9 x 0.177 ~ 0.7 <= 1 (fine); SGD: M_g kappa_R (b/a)^2 ~ 16 x 3.9 / 32 ~ 2 (risk)
+    # kappa_U b/a ~ 3.9 x 0.177 ~ 0.7 <= 1: fine; SGD: M_g kappa_R (b/a)^2 ~ 16 x 3.9/32: risk
     assert row.reading == "fine" and sgd.frame.set_index("check").loc["bound"].reading == "risk"
     assert "γ_U/2" in h.frame.set_index("check").loc["scaling"].predicted
     with pytest.raises(ValueError, match="health: optimizer='lamb'"):

@@ -65,7 +65,9 @@ def optimizer_rows(
                      "unscaled visit: lower the learning rate by that factor, or use the "
                      "scaling line's α, β",
               None: unsure or "κ^U_R is not a number"}[side]  # fmt: skip
-    bound = _row("bound", MEASUREMENT, _verdict(side), J_g * size, meas, unsure,
+    caveat = ("the Adam form is checked at a fresh optimizer's step; along training its slope "
+              "in R drifts (docs/results/tied-bound.md)")  # fmt: skip
+    bound = _row("bound", MEASUREMENT, _verdict(side), J_g * size, meas, unsure or caveat,
                  {True: FINE, False: RISK, None: UNKNOWN}[side], advice)  # fmt: skip
     bound.update(claim=f"the tied bound under {name}, J_g κ^U_R (β/α), is O(1)",
                  threshold=f"κ^U_R (β/α) ≤ {ADAM_MAX:g}",
