@@ -6,9 +6,11 @@ docs/studies/deeploop.md ("Redesign"), committed before any of these cells ran.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from studies._common import here
+from studies.deeploop import analysis as dl
 from studies.deeploop.analysis import final_losses
 
 PILOT_CSV = here(__file__, "deeploop_lr_pilot.csv")
@@ -41,3 +43,129 @@ def best_lr(cells: pd.DataFrame, floor: float | None = None) -> dict:
     """(arm, R) -> the grid lr with the lowest mean final loss."""
     t = per_lr(cells, floor)
     return {k: float(g.loc[g["loss"].idxmin(), "lr"]) for k, g in t.groupby(["arm", "R"])}
+
+
+# ------------------------------------------------------------------ lr study (confirmatory)
+
+
+def tuned(cells: pd.DataFrame, floor: float | None = None) -> pd.DataFrame:
+    """Per arm and R: the study rates, the tuned lr (lowest mean final loss over the seeds)
+    and whether it is bracketed (neither the smallest nor the largest of the arm's rates)."""
+    t = per_lr(cells, floor)
+    rows = []
+    for (arm, R), g in t.groupby(["arm", "R"]):
+        best = float(g.loc[g["loss"].idxmin(), "lr"])
+        rows.append({"arm": arm, "R": R, "rates": ", ".join(f"{x:g}" for x in sorted(g["lr"])),
+                     "lr": best, "loss": float(g["loss"].min()),
+                     "bracketed": g["lr"].min() < best < g["lr"].max()})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _at(final: pd.DataFrame, arm: str, R: int, lr: float) -> pd.Series:
+    g = final[(final["arm"] == arm) & (final["R"] == R) & np.isclose(final["lr"], lr)]
+    return g.set_index("seed")["loss"]
+
+
+def compare_at(cells: pd.DataFrame, lrs: dict, floor: float | None = None) -> pd.DataFrame:
+    """Per baseline and R: DeepLoop − baseline, each arm at ``lrs[(arm, R)]``, paired by seed;
+    the t interval and the pre-registered verdict of the first design (neutral at R = 1,
+    improves at R > 1)."""
+    f = final_losses(cells, floor=floor)
+    f["lr"] = cells.loc[cells["final"].astype(bool), "lr"].to_numpy()
+    rows = []
+    for b in dl.BASELINES:
+        for R in sorted(set(f["R"])):
+            if (dl.TARGET, R) not in lrs or (b, R) not in lrs:
+                continue
+            a, c = _at(f, dl.TARGET, R, lrs[(dl.TARGET, R)]), _at(f, b, R, lrs[(b, R)])
+            d = (a - c).dropna().to_numpy(dtype=float)
+            m, sd, lo, hi = dl.t_interval(d)
+            kind = "neutral" if R == 1 else "improves"
+            verdict, reason = dl._verdict(kind, len(d), lo, hi, sd)
+            rows.append({"baseline": b, "R": R, "n": len(d), "diff": m, "ci_low": lo,
+                         "ci_high": hi, "criterion": kind, "verdict": verdict,
+                         "reason": reason})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def lr_study(cells: pd.DataFrame, pilot: pd.DataFrame, floor: float | None = None) -> pd.DataFrame:
+    """The pre-registered comparison: each arm at its tuned study lr (primary) and at its
+    pilot optimum (sensitivity); undecided when an arm's optimum is not bracketed or when the
+    two lr choices give different verdicts."""
+    tt = tuned(cells, floor).set_index(["arm", "R"])
+    primary = compare_at(cells, tt["lr"].to_dict(), floor)
+    sens = compare_at(cells, best_lr(pilot, floor), floor).set_index(["baseline", "R"])
+    out = []
+    for r in primary.to_dict("records"):
+        s = sens.loc[(r["baseline"], r["R"])] if (r["baseline"], r["R"]) in sens.index else None
+        r["verdict_pilot_lr"] = s["verdict"] if s is not None else "missing"
+        unbracketed = [a for a in (dl.TARGET, r["baseline"])
+                       if not tt.loc[(a, r["R"]), "bracketed"]]  # fmt: skip
+        if unbracketed:
+            r["verdict"] = "undecided"
+            r["reason"] = f"optimum not bracketed for {unbracketed}"
+        elif r["verdict_pilot_lr"] != r["verdict"]:
+            r["reason"] = (f"depends on the lr choice (tuned: {r['verdict']}, pilot optimum: "
+                           f"{r['verdict_pilot_lr']})")  # fmt: skip
+            r["verdict"] = "undecided"
+        out.append(r)
+    return pd.DataFrame(out)
+
+
+# ------------------------------------------------------------------ p-sweep across R
+
+PSWEEP_CSV = here(__file__, "deeploop_psweep.csv")
+RISE = 0.5  # nats: a loss spike (pre-registered)
+P_GRID = (0.0, 0.25, 0.35, 0.45, 0.55)
+PSWEEP_RS = (2, 4, 8, 16)
+PSWEEP_SEEDS = 3
+
+
+def psweep_table(cells: pd.DataFrame) -> pd.DataFrame:
+    """Per R and p: seeds, unstable (diverged or rise > RISE), escaped the floor, mean loss."""
+    f = cells[cells["final"].astype(bool)].copy()
+    f["unstable"] = f["diverged"].astype(bool) | (f["rise"].astype(float) > RISE)
+    e = final_losses(cells)
+    f["escaped"] = e["escaped"].to_numpy()
+    g = f.groupby(["R", "p"])
+    return g.agg(seeds=("seed", "nunique"), unstable=("unstable", "sum"),
+                 escaped=("escaped", "sum"), max_rise=("rise", "max"),
+                 loss=("val_loss", "mean")).reset_index()  # fmt: skip
+
+
+def psweep_verdicts(table: pd.DataFrame) -> tuple[pd.DataFrame, str, str]:
+    """Per R with all cells done: p_u* and the verdict; then the claim across R (holds at
+    every complete R, at least 3; fails at most of them, at least 3; else undecided)."""
+    rows = []
+    for R, g in table.groupby("R"):
+        g = g.set_index("p").reindex(P_GRID)
+        if g["seeds"].isna().any() or (g["seeds"] < PSWEEP_SEEDS).any():
+            rows.append({"R": R, "p_star": np.nan, "verdict": "running"})
+            continue
+        stable = (g["unstable"] == 0).to_numpy()
+        p_star = np.nan
+        for i in range(len(P_GRID) - 1, -1, -1):
+            if not stable[i]:
+                break
+            p_star = P_GRID[i]
+        low = g.loc[0.25, "unstable"] >= 2
+        if p_star in (0.45, 0.55) and low:
+            v = "holds"
+        elif not np.isnan(p_star) and p_star <= 0.35:
+            v = "fails"
+        else:
+            v = "undecided"
+        rows.append({"R": R, "p_star": p_star, "verdict": v})
+    per_r = pd.DataFrame(rows)
+    done = per_r[per_r["verdict"] != "running"]
+    n = int(table["seeds"].sum())
+    total = len(PSWEEP_RS) * len(P_GRID) * PSWEEP_SEEDS
+    if len(done) >= 3 and (done["verdict"] == "holds").all():
+        return per_r, "holds", f"holds at R = {list(done['R'])}"
+    if len(done) >= 3 and (done["verdict"] == "fails").sum() > len(done) / 2:
+        return (
+            per_r,
+            "fails",
+            f"fails at {int((done['verdict'] == 'fails').sum())} of {len(done)} R",
+        )
+    return per_r, "undecided", f"running: {n} of {total} cells" if n < total else "mixed"

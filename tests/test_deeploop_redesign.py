@@ -1,0 +1,114 @@
+"""Issue 39.1: the DeepLoop redesign's driver and analysis on planted cells.
+
+Each arm at its own tuned lr (bracketed or not, the pilot's lr agreeing or not), the p-sweep's
+instability outcome (a loss rise) and its boundary across R, and the driver's resume from the
+committed CSV (a finished cell is never trained twice).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from studies.deeploop import redesign as rd
+from studies.deeploop import redesign_analysis as ra
+
+FLOOR = 3.11
+
+
+def lr_cells(best: dict, gain: dict, seeds=range(6), rates=(1e-3, 3e-3, 1e-2)) -> pd.DataFrame:
+    """Final rows: arm at R has loss 2.3 + gain[(arm, R)] + 0.05 * octaves-from-best^2 + noise;
+    ``best[(arm, R)]`` is its best rate."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for s in seeds:
+        noise = 0.003 * rng.normal()
+        for (arm, R), b in best.items():
+            for lr in rates:
+                loss = 2.3 + gain.get((arm, R), 0.0) + 0.05 * math.log2(lr / b) ** 2 + noise
+                rows.append({"arm": arm, "p": np.nan, "R": R, "lr": lr, "seed": s,
+                             "step": 1000, "final": True, "val_loss": loss})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+BEST = {(a, R): 3e-3 for a in rd.ARMS for R in (1, 3)}
+
+
+def test_each_arm_at_its_tuned_lr_recovers_a_planted_gain_and_neutrality():
+    gain = {("deeploop", 3): -0.05, ("deeploop", 1): 0.0}
+    cells = lr_cells(BEST, gain)
+    t = ra.tuned(cells, FLOOR)
+    assert (t["lr"] == 3e-3).all() and t["bracketed"].all()
+    res = ra.lr_study(cells, cells, FLOOR).set_index(["baseline", "R"])
+    assert res.loc[("post", 3), "verdict"] == "holds"
+    assert res.loc[("post", 3), "diff"] == pytest.approx(-0.05, abs=1e-9)
+    assert res.loc[("post", 1), "verdict"] == "holds"  # neutral within ±0.016
+
+
+def test_an_arm_tuned_at_the_edge_of_its_rates_leaves_its_comparisons_undecided():
+    best = {**BEST, ("post", 3): 1e-3 / 4}  # post's optimum below its smallest rate
+    cells = lr_cells(best, {("deeploop", 3): -0.05})
+    res = ra.lr_study(cells, cells, FLOOR).set_index(["baseline", "R"])
+    assert res.loc[("post", 3), "verdict"] == "undecided"
+    assert "not bracketed for ['post']" in res.loc[("post", 3), "reason"]
+    assert res.loc[("deepnorm", 3), "verdict"] == "holds"
+
+
+def test_a_verdict_that_flips_with_the_pilot_optimum_is_undecided():
+    cells = lr_cells(BEST, {("deeploop", 3): -0.05})
+    pilot = lr_cells({**BEST, ("deeploop", 3): 1e-2 * 4}, {})  # pilot says deeploop at 1e-2
+    pilot = pilot[pilot["seed"] < 2]
+    res = ra.lr_study(cells, pilot, FLOOR).set_index(["baseline", "R"])
+    # at 1e-2 (2 octaves from its best) deeploop loses 0.2 > its 0.05 gain: verdict flips
+    assert res.loc[("post", 3), "verdict_pilot_lr"] == "fails"
+    assert res.loc[("post", 3), "verdict"] == "undecided"
+    assert "depends on the lr choice" in res.loc[("post", 3), "reason"]
+
+
+def test_loss_rise_sees_a_spike_after_warmup_and_not_a_falling_loss():
+    falling = list(np.linspace(5.0, 2.0, 200))
+    assert rd.loss_rise(falling, start=10) == 0.0
+    spike = falling[:100] + [5.0] * 30 + falling[100:]  # 1.5 nats above the min
+    assert rd.loss_rise(spike, start=10) > ra.RISE
+    assert rd.loss_rise(spike[:5], start=0) != rd.loss_rise(spike[:5], start=0)  # NaN: short
+
+
+def psweep(unstable_below: dict, seeds=3, Rs=ra.PSWEEP_RS) -> pd.DataFrame:
+    """Final rows: at R, every seed unstable (rise 1.0) at p < unstable_below[R], else 0.1."""
+    rows = []
+    for R in Rs:
+        for p in ra.P_GRID:
+            for s in range(seeds):
+                bad = p < unstable_below[R]
+                rows.append({"arm": "postp", "p": p, "R": R, "seed": s, "step": 1000,
+                             "final": True, "val_loss": 3.2 if bad else 2.3, "diverged": False,
+                             "rise": 1.0 if bad else 0.1})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_psweep_boundary_near_half_holds_and_everything_stable_fails():
+    per_r, v, why = ra.psweep_verdicts(ra.psweep_table(psweep(dict.fromkeys(ra.PSWEEP_RS, 0.4))))
+    assert v == "holds" and (per_r["p_star"] == 0.45).all(), why
+    per_r, v, why = ra.psweep_verdicts(ra.psweep_table(psweep(dict.fromkeys(ra.PSWEEP_RS, 0.0))))
+    assert v == "fails" and (per_r["p_star"] == 0.0).all(), why
+    part = psweep(dict.fromkeys(ra.PSWEEP_RS, 0.4), Rs=(2, 4))
+    per_r, v, why = ra.psweep_verdicts(ra.psweep_table(part))
+    assert v == "undecided" and why == "running: 30 of 60 cells"
+
+
+def test_the_driver_appends_each_cell_and_resumes_without_retraining(tmp_path):
+    out = str(tmp_path / "cells.csv")
+    calls = []
+
+    def fake(cell):
+        calls.append(cell["lr"])
+        return [{"step": 1, "val_loss": 2.0, "final": True, "cpu_s": 0.0}]
+
+    cells = rd.lr_cells({**rd.PILOT, "Rs": (1,), "seeds": (0,)}, lambda arm, R: (1e-3, 1e-2))
+    assert rd.run_cells(cells[:2], fake, out) == 2
+    assert rd.run_cells(cells, fake, out) == len(cells) - 2  # the first two are in the CSV
+    assert len(calls) == len(cells) and len(pd.read_csv(out)) == len(cells)
+    assert rd.run_cells(cells, fake, out, stop_at=0.0) == 0
