@@ -9,17 +9,18 @@ import json
 import math
 
 import pytest
-from test_integrations_ecosystem import BATCH, GROUP, framed, hf_args
+from test_integrations_ecosystem import BATCH, GROUP, framed
 from test_monitor_integrations import Tokens, tiny_albert
 
 from loopprobe.monitor.monitor import Monitor
 from loopprobe.monitor.sinks import typed_frame
 
 
-def trainer_for(tmp_path, mon, callbacks=None, **kw):
+def trainer_for(hf_args, mon, callbacks=None, **kw):
+    """A transformers.Trainer of 4 steps on the monitor's model (``hf_args``: conftest's)."""
     import transformers
 
-    args = hf_args(tmp_path, **kw)
+    args = hf_args(**{"max_steps": 4, "seed": 0, **kw})
     return transformers.Trainer(
         model=mon.model, args=args, train_dataset=Tokens(), callbacks=callbacks
     )
@@ -34,11 +35,13 @@ def tensorboard_tags(tmp_path) -> dict[str, dict[int, float]]:
     return {t: {e.step: e.value for e in ea.Scalars(t)} for t in ea.Tags()["scalars"]}
 
 
-def test_add_to_puts_the_numbers_into_report_tos_tensorboard_without_per_visit_ones(tmp_path):
+def test_add_to_puts_the_numbers_into_report_tos_tensorboard_without_per_visit_ones(
+    tmp_path, hf_args
+):
     from loopprobe.integrations.huggingface import MonitorCallback
 
     mon = Monitor(tiny_albert(), BATCH, diagnostics=["updates"], every=2)
-    trainer = trainer_for(tmp_path, mon, report_to="tensorboard")
+    trainer = trainer_for(hf_args, mon, report_to="tensorboard")
     cb = MonitorCallback(mon, per_visit=False)
     assert cb.add_to(trainer) is cb and trainer.callback_handler.callbacks[0] is cb
     trainer.train()
@@ -55,23 +58,25 @@ def test_add_to_puts_the_numbers_into_report_tos_tensorboard_without_per_visit_o
     assert (mon.frame.quantity == "G_norm").sum() == 2 * 3  # the frame keeps every visit
 
 
-def test_the_callback_passed_in_callbacks_leaves_tensorboard_without_loopprobe_tags(tmp_path):
+def test_the_callback_passed_in_callbacks_leaves_tensorboard_without_loopprobe_tags(
+    tmp_path, hf_args
+):
     """The first recipe users write: why add_to exists (if transformers ever ran user
     callbacks first, this test says add_to is no longer needed)."""
     from loopprobe.integrations.huggingface import MonitorCallback
 
     mon = Monitor(tiny_albert(), BATCH, diagnostics=["updates"], every=2)
-    trainer_for(tmp_path, mon, [MonitorCallback(mon)], report_to="tensorboard").train()
+    trainer_for(hf_args, mon, [MonitorCallback(mon)], report_to="tensorboard").train()
     assert sorted(framed(mon, "probe_loss")) == [2, 4]
     assert not [t for t in tensorboard_tags(tmp_path) if "loopprobe" in t]
 
 
-def test_add_to_moves_a_callback_already_passed_in_callbacks_to_the_front_once(tmp_path):
+def test_add_to_moves_a_callback_already_passed_in_callbacks_to_the_front_once(tmp_path, hf_args):
     from loopprobe.integrations.huggingface import MonitorCallback
 
     mon = Monitor(tiny_albert(), BATCH, diagnostics=["updates"], every=2)
     cb = MonitorCallback(mon)
-    trainer = trainer_for(tmp_path, mon, [cb], report_to="tensorboard")
+    trainer = trainer_for(hf_args, mon, [cb], report_to="tensorboard")
     cb.add_to(trainer)
     callbacks = trainer.callback_handler.callbacks
     assert callbacks[0] is cb and sum(c is cb for c in callbacks) == 1
@@ -81,11 +86,13 @@ def test_add_to_moves_a_callback_already_passed_in_callbacks_to_the_front_once(t
         cb.add_to(object())
 
 
-def test_each_checkpoint_carries_at_most_state_rows_latest_rows_and_resumes_from_them(tmp_path):
+def test_each_checkpoint_carries_at_most_state_rows_latest_rows_and_resumes_from_them(
+    tmp_path, hf_args
+):
     from loopprobe.integrations.huggingface import MonitorCallback
 
     first = Monitor(tiny_albert(), BATCH, diagnostics={"updates": 1, "increments": 2}, every=1)
-    trainer = trainer_for(tmp_path, first, save_strategy="steps", save_steps=1, max_steps=3)
+    trainer = trainer_for(hf_args, first, save_strategy="steps", save_steps=1, max_steps=3)
     MonitorCallback(first, state_rows=20).add_to(trainer)
     trainer.train()
     saved = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
@@ -98,7 +105,7 @@ def test_each_checkpoint_carries_at_most_state_rows_latest_rows_and_resumes_from
     assert len(kept) == (first.frame.step == 1).sum() < 20  # fewer than the cap: all kept
 
     again = Monitor(tiny_albert(), BATCH, diagnostics={"updates": 1, "increments": 2}, every=1)
-    trainer = trainer_for(tmp_path, again, max_steps=4)
+    trainer = trainer_for(hf_args, again, max_steps=4)
     MonitorCallback(again, state_rows=20).add_to(trainer)
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     assert again.frame.iloc[:20].equals(first.frame.iloc[-20:].reset_index(drop=True))
