@@ -117,8 +117,20 @@ def finite_step(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
                      r["verdict"], f"{r['estimate']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] "
                      f"(t over models: {r['values']}; stated after the data, issue 39)",
                      "finite_step.md") for r in models.to_dict("records")]  # fmt: skip
-    return [("Finite-step failures, transition 4 → 5 (paired bootstrap)", v),
-            ("Finite-step criteria over models (t, post hoc)", models)], out, []  # fmt: skip
+    tables = [("Finite-step failures, transition 4 → 5 (paired bootstrap)", v),
+              ("Finite-step criteria over models (t, post hoc)", models)]  # fmt: skip
+    from studies.finite_step import models as fm  # issue 39.5's redesign: seeds 100-109
+
+    ten = fm.cells(where=path.parent / "models")
+    if ten.empty or ten["seed"].nunique() < len(fm.SEEDS):
+        done = 0 if ten.empty else ten["seed"].nunique()
+        return tables, out, [f"finite step redesign: running, {done} of {len(fm.SEEDS)} models"]
+    t = pm.over_models(pm.per_model(ten))
+    out += [_verdict(f"finite step, {r['models']} models (redesign)", r["criterion"],
+                     r["verdict"], f"{r['estimate']:.3f} [{r['lo']:.3f}, {r['hi']:.3f}] "
+                     f"(t over models: {r['values']})", "finite_step.md")
+            for r in t.to_dict("records")]  # fmt: skip
+    return tables + [("Finite-step criteria over 10 models (redesign)", t)], out, []
 
 
 def flt(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:

@@ -59,6 +59,9 @@ SCOPES: list[tuple[str, str, str, str]] = [
     ("lr_l", "", "pilot task search only, d 32, <= 2000 steps, 1 seed",
      "the grid without the gate: L in {1, 2} x N in {1, 2, 4, 8}, half-octave lr grid, >= 4 "
      "seeds (pre-registered in docs/studies/lr_l.md)"),
+    ("finite_step", "finite step, 10 models", "10 trained models (seeds 100-109, pre-norm d 32, "
+     "K 1, R 4, prefix sums, 600 steps; train loss 0.25-0.44), t interval over models",
+     "more models: the interval over 10 is about +-0.07 for H1"),
     ("finite_step", "finite step, over", _FS.replace("intervals over inputs only",
      "t interval over the 3 models"), ">= 10 trained models (pre-registered in "
      "docs/studies/finite_step.md): with 3 the t quantile is 4.30"),

@@ -28,13 +28,14 @@ DIR = pathlib.Path(__file__).resolve().parent / "models"
 DESIGN = {"steps": 600, "inputs": 512, "seq_len": 16}
 
 
-def path_of(seed: int) -> pathlib.Path:
-    return DIR / f"seed_{seed}.csv.gz"
+def path_of(seed: int, where: pathlib.Path = DIR) -> pathlib.Path:
+    return pathlib.Path(where) / f"seed_{seed}.csv.gz"
 
 
-def cells(seeds=SEEDS) -> pd.DataFrame:
-    """Every finished model's 4 -> 5 rows (empty frame if none)."""
-    frames = [pd.read_csv(path_of(s)) for s in seeds if path_of(s).exists()]
+def cells(seeds=SEEDS, where: pathlib.Path = DIR) -> pd.DataFrame:
+    """Every finished model's 4 -> 5 rows under ``where`` (empty frame if none)."""
+    paths = [(s, path_of(s, where)) for s in seeds]
+    frames = [pd.read_csv(p).assign(seed=s) for s, p in paths if p.exists()]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -46,7 +47,7 @@ def train_missing(seeds=SEEDS) -> int:
         if path_of(s).exists():
             continue
         out = run({"seed": s, **DESIGN})
-        out = out[out["transition"] == pm.PRIMARY]
+        out = out[out["transition"] == pm.PRIMARY].assign(seed=s)
         tmp = path_of(s).with_suffix(".tmp")
         out.to_csv(tmp, index=False, float_format="%.6g", compression="gzip")
         tmp.rename(path_of(s))  # whole files only: an interrupted model leaves none
