@@ -18,6 +18,7 @@ Run (one thread, float64, d_model 16, seq 16, batch 8)::
     python scripts/adam_bound.py threshold --steps 200 --only 0.25,0.375        # and 0.5,0.625
     python scripts/adam_bound.py summary --of train                             # merged CSVs
     python scripts/adam_bound.py diagnose --steps 200 --every 50   # kappa_step, step size
+    python scripts/adam_bound.py weights --steps 200               # branch matrices' RMS
 
 Each run prints its table and writes ``scripts/adam_bound_<part>[_<only>].csv``.
 """
@@ -51,10 +52,11 @@ def probe_batch() -> tuple[torch.Tensor, object]:
     return idx, lambda out, inputs: lm_loss(out, tgt)
 
 
-def check(model: LoopedGPT, optimizer: object, lr: float | None = None) -> dict:
+def check(model: LoopedGPT, optimizer: object, lr: float | None = None, max_iter=20) -> dict:
     idx, loss_fn = probe_batch()
+    kw = {**KW, "max_iter": max_iter}
     with lp.Probe(model) as probe:
-        chk = lp.bound_check(probe, idx, loss_fn, optimizer=optimizer, lr=lr, **KW)
+        chk = lp.bound_check(probe, idx, loss_fn, optimizer=optimizer, lr=lr, **kw)
     keep = ("dF_first", "dF_true", "kappa", "kappa_U", "J_g", "M_g", "prediction", "C",
             "prediction_sgd", "prediction_adam", "family", "optimizer", "converged")  # fmt: skip
     row = {k: getattr(chk, k) for k in keep}
@@ -85,7 +87,8 @@ def ladder() -> pd.DataFrame:
     for norm in ("deepnorm", "deeploop"):
         for opt in ("sgd", "adamw"):
             for R in RS:
-                rows.append({"norm": norm, "opt": opt, "R": R, **check(build(R, norm), opt, 1e-3)})
+                row = check(build(R, norm), opt, 1e-3, max_iter=30)  # every kappa certified
+                rows.append({"norm": norm, "opt": opt, "R": R, **row})
     return pd.DataFrame(rows)
 
 
@@ -117,6 +120,28 @@ def diagnose(model: LoopedGPT, optimizer: object) -> dict:
             "ratio": model.cfg.beta / model.cfg.alpha, "J_g": len(sc.sublayers)}  # fmt: skip
 
 
+def weights(steps: int) -> None:
+    """RMS of blocks.0's MLP matrices at init and after ``steps`` AdamW steps (DeepLoop),
+    trained as :func:`train` trains (same data seed, lr, weight decay)."""
+
+    def rms(model: LoopedGPT) -> list[float]:
+        return [round(float(p.detach().pow(2).mean().sqrt()), 4)
+                for n, p in model.named_parameters()
+                if n.startswith("blocks.0.mlp") and p.dim() == 2]  # fmt: skip
+
+    for R in (1, 16):
+        model = build(R, "deeploop")
+        before = rms(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(steps):
+            idx, tgt = stdlib_text(8, 16, gen)
+            opt.zero_grad()
+            lm_loss(model(idx), tgt).backward()
+            opt.step()
+        print(f"R={R} beta={model.cfg.beta:.4g}: RMS {before} -> {rms(model)} after {steps} steps")
+
+
 def along_training(steps: int, every: int, norms: tuple[str, ...], diag: bool = False):
     rows = []
     for norm in norms:
@@ -137,7 +162,9 @@ def threshold(steps: int, ps: tuple[float, ...]) -> pd.DataFrame:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=("ladder", "train", "threshold", "diagnose", "summary"))
+    ap.add_argument(
+        "part", choices=("ladder", "train", "threshold", "diagnose", "weights", "summary")
+    )
     ap.add_argument("--of", choices=("ladder", "train", "threshold"), help="summary of")
     ap.add_argument("--only", default="", help="train: one norm; threshold: comma-separated p")
     ap.add_argument("--steps", type=int, default=300)
@@ -145,6 +172,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.process_time()
+    if args.part == "weights":
+        return weights(args.steps)
     if args.part == "diagnose":  # the training runs again: step size and step alignment
         norms = (args.only,) if args.only else ("deepnorm", "deeploop")
         df = along_training(args.steps, args.every, norms, diag=True)
