@@ -42,7 +42,7 @@ def test_custom_diagnostics_are_rows_on_their_own_schedule_next_to_the_built_in_
     assert rms.value.iloc[1] == want
     w = f[(f.quantity == "weights") & (f.step == 3)]
     assert sorted(w.sublayer) == sorted(n for n, _ in model.named_parameters() if "weight" in n)
-    direct = {n: float(p.norm()) for n, p in model.named_parameters()}
+    direct = {n: float(p.detach().norm()) for n, p in model.named_parameters()}
     assert all(math.isclose(v, direct[s]) for s, v in zip(w.sublayer, w.value, strict=True))
     assert set(f[f.quantity == "G_norm"].step) == {0, 1, 2, 3}
 
