@@ -239,3 +239,82 @@ def test_building_a_model_with_a_generator_leaves_the_global_rng_alone():
     HierarchicalLoop(HRMConfig(), gen())
     LinearLoop(LinearLoopConfig(recall=True), gen())
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+# ---- the seed's backbone options: RoPE and an input-embedding RMSNorm (issue 39.1)
+
+
+def test_rope_is_the_explicit_pair_rotation_in_float64():
+    from loopprobe.models.layers import rope
+
+    T, hd, base = 5, 6, 10_000.0
+    t = torch.randn(2, 3, T, hd, generator=gen(1), dtype=torch.float64)
+    want = torch.empty_like(t)
+    for m in range(T):
+        for i in range(hd // 2):
+            a = m * base ** (-2 * i / hd)
+            R = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]],
+                             dtype=torch.float64)  # fmt: skip
+            pair = torch.stack([t[..., m, i], t[..., m, i + hd // 2]], dim=-1)
+            out = pair @ R.T
+            want[..., m, i], want[..., m, i + hd // 2] = out[..., 0], out[..., 1]
+    torch.testing.assert_close(rope(t), want, rtol=0, atol=1e-12)
+
+
+def test_rope_scores_depend_on_positions_only_through_their_difference():
+    from loopprobe.models.layers import rope
+
+    T = 7
+    q = torch.randn(8, generator=gen(2), dtype=torch.float64).expand(T, 8)
+    k = torch.randn(8, generator=gen(3), dtype=torch.float64).expand(T, 8)
+    s = rope(q) @ rope(k).T  # s[m, n] = <R_m q, R_n k>
+    for d in range(-T + 1, T):
+        diag = torch.diagonal(s, offset=d)
+        torch.testing.assert_close(diag, diag[:1].expand_as(diag), rtol=0, atol=1e-12)
+    assert not torch.allclose(s[0, 1], s[0, 2])  # and it does depend on the difference
+
+
+def test_looped_gpt_with_rope_has_no_position_table_is_causal_and_sees_order():
+    # one block applied once: without positions, position 2 would be blind to the order of 0, 1
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_heads=2, K=1, R=1, position="rope")
+    model = LoopedGPT(cfg, generator=gen(0)).eval()
+    assert model.pos_emb is None and "pos_emb.weight" not in model.state_dict()
+    idx = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        out = model(idx)
+        later = idx.clone()
+        later[0, 4:] = 0
+        torch.testing.assert_close(model(later)[:, :4], out[:, :4])  # causal
+        swapped = idx[:, [1, 0, 2, 3, 4, 5]]
+        assert (model(swapped)[0, 2] - out[0, 2]).abs().max() > 1e-4
+
+
+def test_embed_norm_normalises_the_input_embedding_and_defaults_are_unchanged():
+    cfg = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_heads=2, K=1, R=2, embed_norm=True)
+    model = LoopedGPT(cfg, generator=gen(0))
+    idx = torch.randint(0, 16, (3, 8), generator=gen(4))
+    with torch.no_grad():
+        x = model.embed(idx)
+        e = model.tok_emb.weight[idx] + model.pos_emb.weight[:8]
+    want = e / torch.sqrt(e.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm, weight 1 at init
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-6)
+    assert (x.pow(2).mean(-1) - 1).abs().max() < 1e-2
+    default = LoopedGPT(GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_heads=2, K=1, R=2),
+                        generator=gen(0))  # fmt: skip
+    keys = set(default.state_dict())
+    assert "pos_emb.weight" in keys and not any(k.startswith("embed_norm") for k in keys)
+    assert set(model.state_dict()) == keys | {"embed_norm.weight"}
+    same = {k: v for k, v in model.state_dict().items() if k in keys}
+    for k, v in default.state_dict().items():  # the option draws nothing: same init
+        torch.testing.assert_close(same[k], v, rtol=0, atol=0)
+
+
+def test_backbone_options_are_checked_and_the_flt_refuses_them():
+    with pytest.raises(ValueError, match="position='alibi'.*learned.*rope"):
+        GPTConfig(position="alibi")
+    with pytest.raises(ValueError, match="even head size; got d_model / n_heads = 3"):
+        GPTConfig(d_model=12, n_heads=4, position="rope")
+    from loopprobe.models import FullyLoopedGPT
+
+    with pytest.raises(ValueError, match=r"\['position', 'embed_norm'\] are not supported"):
+        FullyLoopedGPT(GPTConfig(position="rope", embed_norm=True))

@@ -111,12 +111,14 @@ class FullyLoopedGPT(LoopedGPT):
         if not isinstance(cfg, GPTConfig):
             raise TypeError(f"FullyLoopedGPT(cfg): expected a GPTConfig, got {type(cfg).__name__}")
         bad = {"norm": cfg.norm not in PRE_NORMS, "recall": cfg.recall != "none",
-               "outer_norm": cfg.outer_norm, "tied": not cfg.tied}  # fmt: skip
+               "outer_norm": cfg.outer_norm, "tied": not cfg.tied,
+               "position": cfg.position != "learned", "embed_norm": cfg.embed_norm}  # fmt: skip
         if any(bad.values()):
             names = [k for k, v in bad.items() if v]
             raise ValueError(
                 f"FullyLoopedGPT: GPTConfig fields {names} are not supported; use norm='pre', "
-                "recall='none', outer_norm=False, tied=True (the FLT carries the previous "
+                "recall='none', outer_norm=False, tied=True, position='learned', "
+                "embed_norm=False (the FLT carries the previous "
                 "loop through its attention queries)"
             )
         self.cfg = cfg

@@ -25,6 +25,7 @@ from loopprobe.theory import RESIDUALS
 
 NORMS = PRE_NORMS + POST_NORMS
 RECALLS = ("none", "add", "linear", "internal")
+POSITIONS = ("learned", "rope")
 
 
 def _choice(cls: str, name: str, value: object, allowed: tuple) -> None:
@@ -76,6 +77,9 @@ class GPTConfig(_ScaleGains):
     ``linear`` (W [h; x]), ``internal`` (x added inside the first block, between its two
     sublayers). ``grad_rounds=k``: only the last k rounds carry gradient (the others run
     under ``torch.no_grad()``). ``tied=False`` builds K·R distinct blocks, each used once.
+    ``position``: ``learned`` (an added position embedding) or ``rope`` (rotary queries and
+    keys in every attention, no position embedding; d_model / n_heads must be even).
+    ``embed_norm``: an RMSNorm on the input embedding (seed 002's backbone has both).
     """
 
     vocab_size: int = 64
@@ -97,6 +101,8 @@ class GPTConfig(_ScaleGains):
     grad_rounds: int | None = None
     tied: bool = True
     dropout: float = 0.0
+    position: str = "learned"
+    embed_norm: bool = False
 
     def __post_init__(self) -> None:
         c = "GPTConfig"
@@ -105,6 +111,10 @@ class GPTConfig(_ScaleGains):
         _choice(c, "norm", self.norm, NORMS)
         _choice(c, "residual", self.residual, RESIDUALS)
         _choice(c, "recall", self.recall, RECALLS)
+        _choice(c, "position", self.position, POSITIONS)
+        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"{c}.position='rope' needs an even head size; got d_model / "
+                             f"n_heads = {self.d_model // self.n_heads}")  # fmt: skip
         if self.norm == "postp" and (self.p is None or self.p <= 0):
             raise ValueError(f"{c}.p={self.p!r} is invalid for norm='postp'; give p > 0")
         if self.p is not None and self.p <= 0:
@@ -161,12 +171,16 @@ class LoopedGPT(nn.Module):
         self.cfg = cfg
         D = cfg.d_model
 
+        rotary = cfg.position == "rope"
+
         def block() -> Block:
-            return Block(D, cfg.n_heads, cfg.mlp_ratio, cfg.norm, cfg.alpha, cfg.eps, cfg.dropout)
+            return Block(D, cfg.n_heads, cfg.mlp_ratio, cfg.norm, cfg.alpha, cfg.eps, cfg.dropout,
+                         rotary)  # fmt: skip
 
         with no_global_draws():  # default inits are overwritten below
             self.tok_emb = nn.Embedding(cfg.vocab_size, D)
-            self.pos_emb = nn.Embedding(cfg.seq_len, D)
+            self.pos_emb = None if rotary else nn.Embedding(cfg.seq_len, D)
+            self.embed_norm = RMSNorm(D) if cfg.embed_norm else None
             self.prelude = nn.ModuleList(block() for _ in range(cfg.prelude))
             self.blocks = nn.ModuleList(block() for _ in range(cfg.K if cfg.tied else cfg.N))
             self.coda = nn.ModuleList(block() for _ in range(cfg.coda))
@@ -178,6 +192,8 @@ class LoopedGPT(nn.Module):
 
     def _init_weights(self, generator: torch.Generator | None) -> None:
         for emb in (self.tok_emb, self.pos_emb):
+            if emb is None:
+                continue
             with torch.no_grad():
                 emb.weight.copy_(0.02 * torch.randn(emb.weight.shape, generator=generator))
         for blk in self.prelude:
@@ -202,7 +218,8 @@ class LoopedGPT(nn.Module):
         ]
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token + position embedding, then the prelude blocks: (B, T) -> (B, T, D)."""
+        """Token (+ position) embedding, its norm if set, then the prelude blocks:
+        (B, T) -> (B, T, D)."""
         if idx.dim() != 2:
             raise ValueError(f"LoopedGPT: idx must have shape (batch, seq), got {tuple(idx.shape)}")
         T = idx.shape[1]
@@ -210,7 +227,11 @@ class LoopedGPT(nn.Module):
             raise ValueError(
                 f"LoopedGPT: sequence length {T} exceeds cfg.seq_len={self.cfg.seq_len}"
             )
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        if getattr(self, "embed_norm", None) is not None:  # subclasses may not build one
+            x = self.embed_norm(x)
         for blk in self.prelude:
             x = blk(x)
         return x

@@ -31,12 +31,27 @@ class RMSNorm(nn.Module):
         return y if self.weight is None else y * self.weight
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with separate q, k, v, o projections (no bias)."""
+def rope(t: torch.Tensor, base: float = 10_000.0) -> torch.Tensor:
+    """Rotary position embedding of ``t`` (..., T, hd), hd even: the pair (i, i + hd/2) at
+    position m is rotated by the angle m * base^(-2i/hd) (rotate-half form), so the dot
+    product of a rotated query and key depends on their positions only through m - n."""
+    T, hd = t.shape[-2], t.shape[-1]
+    half = hd // 2
+    inv = base ** (-torch.arange(half, dtype=t.dtype, device=t.device) / half)
+    ang = torch.arange(T, dtype=t.dtype, device=t.device)[:, None] * inv[None, :]  # (T, hd/2)
+    cos, sin = ang.cos(), ang.sin()
+    t1, t2 = t[..., :half], t[..., half:]
+    return torch.cat([t1 * cos - t2 * sin, t1 * sin + t2 * cos], dim=-1)
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k, v, o projections (no bias);
+    ``rotary=True`` rotates queries and keys by :func:`rope` (RoPE)."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, rotary: bool = False):
         super().__init__()
         self.n_heads = n_heads
+        self.rotary = rotary
         self.q = nn.Linear(d_model, d_model, bias=False)
         self.k = nn.Linear(d_model, d_model, bias=False)
         self.v = nn.Linear(d_model, d_model, bias=False)
@@ -51,6 +66,8 @@ class CausalSelfAttention(nn.Module):
             return t.view(B, T, H, D // H).transpose(1, 2)
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if self.rotary:
+            q, k = rope(q), rope(k)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(D // H)  # (B, H, T, T)
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
@@ -107,12 +124,14 @@ class Block(nn.Module):
         alpha: float,
         eps: float,
         dropout: float = 0.0,
+        rotary: bool = False,
     ):
         super().__init__()
         pre = norm in PRE_NORMS
         self.pre = pre
         self.alpha = alpha
-        self.attn = Branch(CausalSelfAttention(d_model, n_heads, dropout), d_model, pre, eps)
+        attn = CausalSelfAttention(d_model, n_heads, dropout, rotary)
+        self.attn = Branch(attn, d_model, pre, eps)
         self.mlp = Branch(MLP(d_model, mlp_ratio, dropout), d_model, pre, eps)
         self.norm_attn = None if pre else RMSNorm(d_model)
         self.norm_mlp = None if pre else RMSNorm(d_model)
