@@ -121,3 +121,36 @@ def test_the_notice_is_silenced_like_any_library_logger(tmp_path, monkeypatch, c
         mon.close()
     assert not [r for r in caplog.records if "heat maps" in r.getMessage()]
     assert sink.heatmaps == ()  # skipped all the same
+
+
+def test_the_wandb_sink_without_matplotlib_logs_its_charts_and_skips_heat_maps_once(
+    tmp_path, monkeypatch, caplog
+):
+    wandb = pytest.importorskip("wandb")
+    from loopprobe.monitor.wandb_sink import WandbSink
+
+    hide(monkeypatch, "matplotlib", "seaborn")
+    settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False)
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="lp-test", settings=settings)
+    logged: list[dict] = []
+    real_log = run.log
+
+    def log(data, **kw):  # the real run.log, and what it was given
+        logged.append(dict(data))
+        return real_log(data, **kw)
+
+    monkeypatch.setattr(run, "log", log)
+    try:
+        sink = WandbSink(run, charts_every=1)
+        mon = Monitor(tiny(), IDX, loss_fn, diagnostics=["updates"], every=1, sinks=[sink])
+        with caplog.at_level(logging.WARNING, logger="loopprobe"):
+            train_and_watch(mon, 2)
+            mon.close()
+    finally:
+        run.finish()
+    assert not mon.frame.quantity.str.endswith("_failed").any()
+    notices = [r for r in caplog.records if "heat maps skipped" in r.getMessage()]
+    assert len(notices) == 1 and sink.heatmaps == ()
+    keys = set().union(*logged)
+    assert "loopprobe/visits/G_norm" in keys and "loopprobe/loss" in keys
+    assert not [k for k in keys if "heatmap" in k]
