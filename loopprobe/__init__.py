@@ -155,7 +155,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.estimate import scaling
     from loopprobe.estimate.alignment import visit_alignment
     from loopprobe.estimate.bound import bound_check, bound_sweep
-    from loopprobe.estimate.step_change import step_change
     from loopprobe.estimate.finitestep import finite_step
     from loopprobe.estimate.fixedpoint import fixed_point, round_residuals, spectral_radius
     from loopprobe.estimate.growth import growth_sweep
@@ -166,6 +165,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.estimate.redundancy import redundancy
     from loopprobe.estimate.scaling import fit_recurrence_law
     from loopprobe.estimate.sensitivity import sensitivity_norms, sensitivity_operators
+    from loopprobe.estimate.step_change import step_change
     from loopprobe.estimate.updates import per_visit_updates
     from loopprobe.monitor.monitor import Monitor
     from loopprobe.record.probe import Probe, attach

@@ -54,7 +54,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.differentiate.visitfn import VisitFunction
     from loopprobe.estimate.alignment import AlignmentReport
     from loopprobe.estimate.bound import BoundCheck, BoundSweep
-    from loopprobe.estimate.step_change import StepChange
     from loopprobe.estimate.finitestep import FiniteStep
     from loopprobe.estimate.fixedpoint import FixedPoint, RoundResiduals, SpectralRadius
     from loopprobe.estimate.growth import Growth
@@ -64,5 +63,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.estimate.instability import Instability
     from loopprobe.estimate.redundancy import Redundancy
     from loopprobe.estimate.sensitivity import Sensitivity
+    from loopprobe.estimate.step_change import StepChange
     from loopprobe.estimate.updates import Updates
     from loopprobe.record.types import Recording

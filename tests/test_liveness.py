@@ -9,7 +9,9 @@ import time
 import pytest
 from _liveness import run_alive
 
-BUSY = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\nprint('done')"
+BUSY = (
+    "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\nprint('done')"
+)
 
 
 def test_a_child_that_uses_no_cpu_is_stopped_as_a_hang():
