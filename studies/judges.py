@@ -57,10 +57,15 @@ def deeploop(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
                         f"unstable runs with slow ones; the pre-registered criterion gave "
                         f"'{boundary['verdict']}')", boundary["reason"],
                         "deeploop.md"))  # fmt: skip
+    from studies.deeploop.redesign_analysis import redesign_verdicts  # issue 39.1
+
+    more, redesign_notes = redesign_verdicts(path.parent)
+    out += [_verdict("DeepLoop (redesign)", c, v, m, "deeploop.md") for c, v, m in more]
     cpu = cells.drop_duplicates(["arm", "p", "R", "seed"])["cpu_s"].sum() / 60
     tables = [("DeepLoop − baseline, final held-out loss (paired, 95 % t)", show),
               ("DeepLoop p-sweep at R = 3 (escaped the unigram floor)", sweep)]  # fmt: skip
-    return tables, out, [f"DeepLoop study: {cells.seed.nunique()} seeds, {cpu:.1f} CPU-min"]
+    notes = [f"DeepLoop study: {cells.seed.nunique()} seeds, {cpu:.1f} CPU-min"]
+    return tables, out, notes + redesign_notes
 
 
 def lr_edge(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:

@@ -112,3 +112,17 @@ def test_the_driver_appends_each_cell_and_resumes_without_retraining(tmp_path):
     assert rd.run_cells(cells, fake, out) == len(cells) - 2  # the first two are in the CSV
     assert len(calls) == len(cells) and len(pd.read_csv(out)) == len(cells)
     assert rd.run_cells(cells, fake, out, stop_at=0.0) == 0
+
+
+def test_redesign_verdicts_judge_only_complete_parts_and_say_how_far_the_rest_got(tmp_path):
+    full = psweep(dict.fromkeys(ra.PSWEEP_RS, 0.4))
+    full.to_csv(tmp_path / "deeploop_psweep.csv", index=False)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    assert [(c.split(":")[0], v) for c, v, _ in rows] == [("p-sweep across R = 2..16", "holds")]
+    full[full["R"] < 8].to_csv(tmp_path / "deeploop_psweep.csv", index=False)
+    lr = lr_cells(BEST, {})
+    lr[lr["seed"] < 3].to_csv(tmp_path / "deeploop_lr_study.csv", index=False)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    assert rows == []
+    assert "running: 30 of 60 cells" in notes[0]
+    assert notes[1] == f"DeepLoop redesign lr study: running, {len(lr) // 2} of 108 cells"

@@ -17,13 +17,15 @@ PILOT_CSV = here(__file__, "deeploop_lr_pilot.csv")
 OLD_PILOT_CSV = here(__file__, "deeploop_pilot.csv")  # lr 3e-3, seeds 0-2 (the same trainings)
 
 
-def pilot_cells() -> pd.DataFrame:
-    """The lr pilot's cells: the original pilot's (lr 3e-3) and the lr-grid pilot's."""
-    import os
+def pilot_cells(where=None) -> pd.DataFrame:
+    """The lr pilot's cells: the original pilot's (lr 3e-3) and the lr-grid pilot's (in
+    ``where``, default this folder)."""
+    import pathlib
 
-    frames = [pd.read_csv(OLD_PILOT_CSV)]
-    if os.path.exists(PILOT_CSV):
-        frames.append(pd.read_csv(PILOT_CSV))
+    d = pathlib.Path(where or pathlib.Path(PILOT_CSV).parent)
+    frames = [pd.read_csv(d / pathlib.Path(OLD_PILOT_CSV).name)]
+    if (d / pathlib.Path(PILOT_CSV).name).exists():
+        frames.append(pd.read_csv(d / pathlib.Path(PILOT_CSV).name))
     df = pd.concat(frames, ignore_index=True)
     return df[df["R"].isin((1, 3))].reset_index(drop=True)
 
@@ -169,3 +171,68 @@ def psweep_verdicts(table: pd.DataFrame) -> tuple[pd.DataFrame, str, str]:
             f"fails at {int((done['verdict'] == 'fails').sum())} of {len(done)} R",
         )
     return per_r, "undecided", f"running: {n} of {total} cells" if n < total else "mixed"
+
+
+# ------------------------------------------------------------------ verdicts and summary
+
+STUDY_CSV = here(__file__, "deeploop_lr_study.csv")
+STUDY_CELLS = 3 * 3 * 2 * 6  # arms x rates x R x seeds (docs/studies/deeploop.md, Redesign)
+
+
+def redesign_verdicts(root) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """(claim, verdict, measured) of each redesign part whose cells are complete under
+    ``root`` (the deeploop folder), and notes saying how far the others got."""
+    import pathlib
+
+    root = pathlib.Path(root)
+    out, notes = [], []
+    sweep = root / pathlib.Path(PSWEEP_CSV).name
+    if sweep.exists():
+        per_r, v, why = psweep_verdicts(psweep_table(pd.read_csv(sweep)))
+        per = "; ".join(f"R={r.R}: p_u*={r.p_star:g} {r.verdict}" for r in per_r.itertuples())
+        if v == "undecided" and why.startswith("running"):
+            notes.append(f"DeepLoop redesign p-sweep: {why} ({per})")
+        else:
+            out.append(("p-sweep across R = 2..16: instability boundary near p = 1/2", v,
+                        f"{per}; {why}"))  # fmt: skip
+    study = root / pathlib.Path(STUDY_CSV).name
+    if study.exists():
+        cells = pd.read_csv(study)
+        n = int(cells["final"].astype(bool).sum())
+        if n < STUDY_CELLS:
+            notes.append(f"DeepLoop redesign lr study: running, {n} of {STUDY_CELLS} cells")
+        else:
+            t = lr_study(cells, pilot_cells(root))
+            for b in dl.BASELINES:
+                g = t[t["baseline"] == b]
+                vs = set(g["verdict"])
+                v = "fails" if "fails" in vs else "holds" if vs == {"holds"} else "undecided"
+                desc = "; ".join(f"R={r.R} {r.criterion} {r.verdict}: {r.diff:+.3f} "
+                                 f"[{r.ci_low:+.3f}, {r.ci_high:+.3f}]"
+                                 for r in g.itertuples())  # fmt: skip
+                out.append((f"vs {b}, each arm at its tuned lr: neutral at R = 1, better at "
+                            "R = 3", v, desc))  # fmt: skip
+    return out, notes
+
+
+def summary_markdown(root=None) -> str:
+    """The pilot, p-sweep and lr-study tables as markdown (what the page shows)."""
+    import os
+
+    lines = ["### lr pilot: mean final loss per arm, R and lr", "",
+             dl._md(per_lr(pilot_cells()))]  # fmt: skip
+    if os.path.exists(PSWEEP_CSV):
+        t = psweep_table(pd.read_csv(PSWEEP_CSV))
+        per_r, v, why = psweep_verdicts(t)
+        lines += ["", "### p-sweep across R", "", dl._md(t), "", dl._md(per_r), "",
+                  f"- claim: {v} ({why})"]  # fmt: skip
+    if os.path.exists(STUDY_CSV):
+        cells = pd.read_csv(STUDY_CSV)
+        lines += ["", "### lr study: tuned lr per arm and R", "", dl._md(tuned(cells))]
+        if int(cells["final"].astype(bool).sum()) >= STUDY_CELLS:
+            lines += ["", dl._md(lr_study(cells, pilot_cells()).drop(columns=["reason"]))]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summary_markdown())
