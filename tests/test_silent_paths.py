@@ -7,6 +7,7 @@ that probing leaves the model as it was.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -506,3 +507,47 @@ def test_the_unchanged_model_check_passes_every_entry_point_on_a_train_mode_spec
         model, x, squared, alpha=1.0, beta=1.0, increment="delta"
     )
     assert "bound_check" in ran and "sensitivity_norms" in ran  # bound's JVP: reverse mode
+
+
+class HookDEQ(nn.Module):
+    """locuslab/deq-style training forward: the solver under no_grad, one grad-mode call of
+    the cell, and an implicit-gradient hook on its output that removes itself through
+    ``self.hook`` (which the next forward overwrites)."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, d)
+        self.cell = DEQCell(d)
+        self.head = nn.Linear(d, 2)
+        self.hook = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.inp(x)
+        with torch.no_grad():
+            z = torch.zeros_like(e)
+            for _ in range(20):
+                z = self.cell(z, e)
+        z1 = z.requires_grad_()
+        new_z1 = self.cell(z1, e)
+        if self.training:
+
+            def backward_hook(grad: torch.Tensor) -> torch.Tensor:
+                if self.hook is not None:
+                    self.hook.remove()
+                y = torch.zeros_like(grad)
+                for _ in range(5):
+                    y = torch.autograd.grad(new_z1, z1, y, retain_graph=True)[0] + grad
+                return y
+
+            self.hook = new_z1.register_hook(backward_hook)
+        return self.head(new_z1)
+
+
+def test_an_implicit_gradient_hook_left_attached_is_a_clear_error_at_once_not_a_blow_up():
+    # Unguarded, the recursion runs to Python's limit, torch loses the RecursionError and
+    # the hook's loop goes on: 0.8 s at recursion limit 150, 190 s at 300 (exponential).
+    model, x = make(HookDEQ).train(), randn(4, 3)
+    start = time.process_time()
+    with pytest.raises(RuntimeError, match="recursed without end: a tensor hook registered"):
+        lp.visit_alignment(lp.attach(model, sublayers=["cell"]), x, squared, max_iter=5)
+    assert time.process_time() - start < 20

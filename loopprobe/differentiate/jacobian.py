@@ -40,6 +40,7 @@ from loopprobe.autodiff import (
     refused_function,
     transform_refusal,
 )
+from loopprobe.record import session
 from loopprobe.record.probe import Probe, first_nonfinite_visit
 from loopprobe.record.session import buffer_values, put_back, real_parameters, restored
 from loopprobe.record.types import Forward, Output, Visit, call_model, pick_output, seeded
@@ -280,19 +281,21 @@ class VisitJacobian:
             f"Way out: {way}"
         )
 
+    @session.bounded_backward
     def _autograd_vjp(self, u: torch.Tensor) -> tuple:
         assert self.products is not None
         try:
             return self.products.vjp(u)
-        except RuntimeError as e:
+        except (RuntimeError, SystemError) as e:
             raise self._unusable(e) from None
 
+    @session.bounded_backward
     def _autograd_jvp(self, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         assert self.products is not None
         tangents = tuple(self.unflatten(k, mask[k] * v[: self.n[k]]) for k in range(len(self.n)))
         try:
             return self.products.jvp(tangents)
-        except RuntimeError as e:
+        except (RuntimeError, SystemError) as e:
             raise self._unusable(e) from None
 
     # -- the F(0) invariant ------------------------------------------------------------

@@ -10,6 +10,7 @@ parameter goes through here; nothing else in the package writes ``_parameters``.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -184,6 +185,51 @@ def session(
                 for _, saved in reversed(stack):
                     for owner, pname, p in reversed(saved):
                         owner._parameters[pname] = p
+
+
+#: why a backward raised RecursionError (torch reports it as a SystemError from run_backward)
+ENDLESS_BACKWARD = (
+    "the backward recursed without end: a tensor hook registered in the forward "
+    "(Tensor.register_hook) runs torch.autograd.grad through its own tensor, as the implicit "
+    "gradient of DEQ code does, and removes itself only through an attribute the next forward "
+    "overwrites; probing runs the forward more than once before a backward, so an earlier "
+    "hook stays attached. Probe with that hook off (the model in eval mode, or its plain "
+    "unrolled gradient)"
+)
+
+
+#: more nested torch.autograd.grad calls than this inside one product: an endless recursion
+MAX_NESTED_GRAD = 16
+_nested = [0]
+
+
+def bounded_backward(fn: Callable) -> Callable:
+    """``fn`` with ``torch.autograd.grad`` counting how deep its calls nest (a hook that calls
+    it inside a backward nests one level): past :data:`MAX_NESTED_GRAD` levels a
+    ``RuntimeError`` (:data:`ENDLESS_BACKWARD`) stops it at once. Without the guard such a
+    recursion runs to Python's limit, torch loses the ``RecursionError`` and the hook's own
+    loop goes on, so time and memory grow exponentially (gigabytes on a tiny DEQ)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        grad = torch.autograd.grad
+
+        def guarded(*a: Any, **k: Any) -> Any:
+            if _nested[0] >= MAX_NESTED_GRAD:
+                raise RuntimeError(ENDLESS_BACKWARD)
+            _nested[0] += 1
+            try:
+                return grad(*a, **k)
+            finally:
+                _nested[0] -= 1
+
+        torch.autograd.grad = guarded
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.autograd.grad = grad
+
+    return wrapped
 
 
 def _called_in_backward(call: str, module: str) -> str:
