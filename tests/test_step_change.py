@@ -290,6 +290,8 @@ def test_health_on_an_adamw_trained_model_states_its_bound_under_adamw():
     assert h.values["bound_form"] == "J_g κ^U_R (β/α)"
     # kappa_U b/a ~ 3.9 x 0.177 ~ 0.7 <= 1: fine; SGD: M_g kappa_R (b/a)^2 ~ 16 x 3.9/32: risk
     assert row.reading == "fine" and sgd.frame.set_index("check").loc["bound"].reading == "risk"
-    assert "γ_U/2" in h.frame.set_index("check").loc["scaling"].predicted
+    scaling = h.frame.set_index("check").loc["scaling"]
+    assert "γ_U/2" in scaling.predicted and "at N = 8" in scaling.advice  # M_g / 2 = 16 / 2
+    assert scaling.value == pytest.approx(sgd.frame.set_index("check").loc["scaling"].value)
     with pytest.raises(ValueError, match="health: optimizer='lamb'"):
         lp.health(model, IDX, loss_fn=loss, optimizer="lamb", progress=False)

@@ -73,6 +73,7 @@ def optimizer_rows(
                  threshold=f"κ^U_R (β/α) ≤ {ADAM_MAX:g}",
                  predicted="Adam form (definitions §8): grows like R^(γ_U − 2p)")  # fmt: skip
     out = [bound if r["check"] == "bound" else r for r in rows]
+    values["N"] = max(float(body.R_g.sum()) / 2, 1.0)  # as the SGD lines: N = M_g / 2
     out = [_scaling(r, kappa_U, R, alpha / beta, unsure, name, values)
            if r["check"] == "scaling" else r for r in out]  # fmt: skip
     return out, values
@@ -84,7 +85,7 @@ def rows_value(rows: list[dict], check: str) -> float:
 
 def _scaling(row: dict, kappa_U: float, R: int, a_over_b: float, unsure, name, values) -> dict:
     """The exponent p of α, β against ``gamma_U / 2`` (the Adam form flat in R)."""
-    N = values.get("N") or max(float(R), 1.0)
+    N = values["N"]
     p = row["value"]
     if R < 2 or not kappa_U > 0 or not math.isfinite(p):
         return row | {"why": "one visit per sublayer or κ^U_R = 0: no growth in R to read"}
