@@ -18,7 +18,6 @@ from torch.func import jacrev
 import loopprobe as lp
 from tests.thirdparty_models import make, one_thread, randn  # noqa: F401
 
-
 # ------------------------------------------------------------------ BatchNorm in train mode
 
 
@@ -155,7 +154,9 @@ def sn_brute_kappa(model: SNLoop, x: torch.Tensor) -> float:
         u, v = sn._u.clone(), sn._v.clone()
         h = model.inp(x)
         for theta in thetas:
-            W, b, Wf, bf = (t.view_as(params[n]) for t, n in zip(theta.split(sizes), names))
+            W, b, Wf, bf = (
+                t.view_as(params[n]) for t, n in zip(theta.split(sizes), names, strict=True)
+            )
             with torch.no_grad():
                 u = torch.nn.functional.normalize(W.detach() @ v, dim=0, eps=sn.eps)
                 v = torch.nn.functional.normalize(W.detach().T @ u, dim=0, eps=sn.eps)
