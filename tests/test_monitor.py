@@ -408,3 +408,20 @@ def test_importing_the_monitor_loads_neither_matplotlib_nor_tensorboard():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(eval(out.stdout))
     assert not {"matplotlib", "seaborn", "tensorboard", "transformers", "lightning"} & loaded
+
+
+def test_the_bound_judges_the_step_of_the_training_optimizer_the_monitor_holds():
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, opt, 3, torch.Generator().manual_seed(3))  # Adam moments with history
+    mon = Monitor(model, IDX, loss_fn, diagnostics=["kappa", "bound"], every=1, update=opt)
+    before = optimizer_state(opt)
+    mon.step(4)
+    assert_same_state(before, optimizer_state(opt))
+    with lp.attach(model) as probe:
+        rep = lp.visit_alignment(probe, IDX, loss_fn, tol=KAPPA_TOL, update=opt)
+        adam = lp.bound_check(probe, IDX, loss_fn, report=rep, optimizer=opt)
+        sgd = lp.bound_check(probe, IDX, loss_fn, report=rep)
+    got = values(mon.frame, "prediction").tolist()
+    assert got == [adam.prediction] and values(mon.frame, "dF_true").tolist() == [adam.dF_true]
+    assert abs(adam.prediction - sgd.prediction) > 1e-3 * abs(sgd.prediction)  # the test can fail

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -25,8 +25,9 @@ from loopprobe.estimate.increments import increments
 from loopprobe.estimate.sensitivity import Sensitivity, sensitivity_norms
 from loopprobe.estimate.updates import Updates, per_visit_updates
 
-if TYPE_CHECKING:
-    from loopprobe.monitor.monitor import Monitor
+#: The diagnostics below take the running :class:`loopprobe.Monitor` as ``mon`` (typed ``Any``:
+#: this module sits under ``monitor.py``, which imports it, and imports nothing back).
+Monitor = Any
 
 DIAGNOSTICS = ("updates", "increments", "kappa", "sensitivity", "rho", "bound")
 CALL = "Monitor"
@@ -172,7 +173,7 @@ def _round_state(rm: Any, at: str) -> torch.Tensor:
 
 
 def _run_bound(mon: Monitor, ctx: _Context) -> None:
-    kw = mon._kw("bound", "forward", "output", "seed")
+    kw = {"optimizer": mon.update, **mon._kw("bound", "forward", "output", "seed")}
     bc = bound_check(mon.probe, mon.inputs, mon.loss_fn, report=ctx.report, **kw)
     for name in ("C", "C_first", "dF_true", "dF_first", "prediction"):
         ctx.add(name, getattr(bc, name), converged=bc.converged, reason=bc.reason)

@@ -35,7 +35,9 @@ Diagnostics (names for ``diagnostics=``), cheapest first; the default is the che
   reference models out of the box, others with
   ``options={"rho": {"round": lambda model, inputs: lp.replay_round(model, inputs, "layer")}}``;
 - ``"bound"``: ``C``, ``C_first``, ``dF_true``, ``dF_first``, ``prediction`` of
-  :func:`loopprobe.bound_check` (reuses the step's kappa report when there is one).
+  :func:`loopprobe.bound_check` (reuses the step's kappa report when there is one), judging
+  the step of ``update``: pass the training optimizer and an Adam/AdamW step is judged with
+  the Adam form of the bound, its real moments read on a copy.
 
 Safe to leave on: a diagnostic that raises (increments a model's layout leaves undecided, a
 loss that cannot be taken) becomes one row ``quantity="<name>_failed"`` with value NaN,
