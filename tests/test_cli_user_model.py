@@ -11,6 +11,7 @@ import sys
 import textwrap
 import uuid
 
+import pandas as pd
 import pytest
 import torch
 
@@ -264,6 +265,32 @@ def test_report_without_alpha_and_beta_says_which_flags_enable_the_bound_check(
     assert al["status"] == "ok", al
     assert "prediction" not in al["values"]
     assert any("bound check skipped" in n and "--alpha and --beta" in n for n in al["notes"])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_report_health_judges_the_bound_for_the_optimizer_you_train_with(
+    optimizer, user_dir, tmp_path, capsys
+):
+    out = tmp_path / f"h{optimizer}"
+    argv = ["report", "--no-progress", "--sections", "health", "--model", f"{user_dir}:make",
+            "--inputs", f"{user_dir}:batch", "--forward", f"{user_dir}:call", "--alpha", "2",
+            "--beta", "0.5", "--optimizer", optimizer, "--out", str(out)]
+    assert main(argv) == 0
+    health = json.loads((out / "results.json").read_text())["sections"]["health"]
+    assert f"optimizer: {optimizer} (the bound and scaling lines judge its step" in " ".join(
+        health["notes"]
+    )
+    rows = pd.read_csv(out / health["csv"]["checks"])
+    bound = rows[rows.check == "bound"].measured.item()
+    form = "J_g κ^U_R (β/α) under adamw" if optimizer == "adamw" else "M_g"
+    assert form in bound, bound
+
+
+def test_report_optimizer_without_a_model_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "unused"
+    assert main(["report", "--optimizer", "adamw", "--out", str(out)]) == 2
+    assert "--optimizer needs --model" in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
 
 
 # --------------------------------------------------------------------------- errors

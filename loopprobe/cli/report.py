@@ -65,6 +65,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "beta": "init gain of --model for the bound check (default model.cfg.beta)",
         },
     )
+    parser.add_argument(
+        "--optimizer",
+        choices=("sgd", "adam", "adamw"),
+        default="sgd",
+        help="what you train --model with: the health section's bound and scaling lines judge "
+        "that optimizer's step (adam/adamw: the Adam form of the bound); the report states it",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller sizes (about 30 s)")
     parser.add_argument(
         "--sections",
@@ -96,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         for flag in (*NEEDS_MODEL, "alpha", "beta"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag} needs --model (the reference model brings its own)")
+        if args.optimizer != "sgd":
+            raise ValueError("--optimizer needs --model (it sets the health section's bound)")
     for flag in ("alpha", "beta"):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -145,6 +154,8 @@ def _run(args: argparse.Namespace, report: Any, sections: list[str] | None) -> i
     cfg = report.ReportConfig.quick() if args.quick else report.ReportConfig()
     if args.studies is not None:
         cfg = dataclasses.replace(cfg, studies=args.studies)
+    if args.optimizer != "sgd":
+        cfg = dataclasses.replace(cfg, optimizer=args.optimizer)
     user = None
     if args.model is not None:
         user = report.load_user_model(

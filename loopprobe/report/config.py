@@ -41,6 +41,7 @@ class ReportConfig:
     fp_train_steps: int = 40
     fp_max_iter: int = 200
     seed: int = 0
+    optimizer: str = "sgd"  # what --model trains with: the health section's bound judges its step
     studies: str | None = None  # the studies tree holding verdicts.csv (default ./studies)
 
     @classmethod

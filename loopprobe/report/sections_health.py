@@ -28,6 +28,7 @@ def health_section(ctx: Context) -> Result:
             beta=u.beta,
             step=u.step,
             increment=u.increment,
+            optimizer=ctx.cfg.optimizer,
             **u.probe_kwargs(),  # forward, output, sublayers, exclude: one Target for all
             max_iter=max(ctx.cfg.power_iters, 50),
             progress=ctx.progress,
@@ -36,6 +37,8 @@ def health_section(ctx: Context) -> Result:
     summary = h.frame[["check", "reading", "verdict", "kind", "measured"]]
     notes = [
         f"loss: {h.values['loss']}",  # the loss the checks used, as the rule picked it
+        f"optimizer: {h.values['optimizer']} (the bound and scaling lines judge its step; "
+        "set it with --optimizer)",
         "reading: fine / risk (what to change) / cannot tell (what would tell); the theory's "
         "claim or premise (aligned, correlated, ...) is context beside it",
         "kind = inference: an extrapolation in R from this one R",
