@@ -20,7 +20,8 @@ Increments`` and ``growth_sweep -> Growth`` (increment correlation, growth expon
 Per round: ``fixed_point -> FixedPoint``, ``round_residuals -> RoundResiduals``,
 ``spectral_radius -> SpectralRadius``, ``input_dependence -> InputDependence``,
 ``finite_step -> FiniteStep``. For curvature tools: ``sensitivity_operators`` (each U as a
-``scipy.sparse.linalg.LinearOperator``). Training health: ``instability -> Instability``.
+``scipy.sparse.linalg.LinearOperator``); ``visit(probe, "block", r, inputs)``: one visit's
+input, output, U and G. Training health: ``instability -> Instability``.
 Scaling law: ``fit_recurrence_law`` (and :mod:`lp.scaling <loopprobe.estimate.scaling>`).
 Loop redundancy (FlashLoop's observations): ``redundancy -> Redundancy``.
 The result types (``Updates``, ``AlignmentReport``, ...) are in :mod:`lp.results
@@ -50,6 +51,7 @@ torch`` (benchmarks/bench_startup.py). Definitions of every quantity: docs/defin
 from __future__ import annotations
 
 import importlib
+import logging
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +71,7 @@ _NAMES = {
     "sensitivity_norms": "loopprobe.estimate.sensitivity",
     "sensitivity_operators": "loopprobe.estimate.sensitivity",
     "visit_alignment": "loopprobe.estimate.alignment",
+    "visit": "loopprobe.estimate.visit_handle",
     "bound_check": "loopprobe.estimate.bound",
     "bound_sweep": "loopprobe.estimate.bound",
     "step_change": "loopprobe.estimate.step_change",
@@ -114,6 +117,10 @@ _SUBMODULES = {
 _LAYERS = {name: f"loopprobe.{name}" for name in ("record", "differentiate", "estimate", "monitor")}
 
 __all__ = ["__version__", *_NAMES, *_SUBMODULES]
+
+# Notices (not warnings about your results) go to the "loopprobe" logger; the library adds
+# no handler of its own (the convention for libraries), so the application decides.
+logging.getLogger("loopprobe").addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> Any:
@@ -167,6 +174,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from loopprobe.estimate.sensitivity import sensitivity_norms, sensitivity_operators
     from loopprobe.estimate.step_change import step_change
     from loopprobe.estimate.updates import per_visit_updates
+    from loopprobe.estimate.visit_handle import visit
     from loopprobe.monitor.monitor import Monitor
     from loopprobe.record.probe import Probe, attach
     from loopprobe.sweeps import grid, sweep
