@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import spearmanr
 
 from loopprobe.estimate.finitestep import (
     FINITE_STEP,
@@ -177,6 +176,8 @@ def _spearman(x, y) -> float:
     x, y = np.asarray(x, float), np.asarray(y, float)
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return float("nan")
+    from scipy.stats import spearmanr  # on call: scipy.stats costs ~1 s to import
+
     return float(spearmanr(x, y).statistic)
 
 

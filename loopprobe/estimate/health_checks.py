@@ -58,7 +58,6 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 import torch
-from scipy.stats import t as student_t
 
 from loopprobe import theory
 from loopprobe.differentiate.roundmap import RoundMap
@@ -114,6 +113,8 @@ def mean_interval(values: Sequence[float]) -> tuple[float, float]:
     mean = float(v.mean()) if len(v) else math.nan
     if len(v) < MIN_PAIRS or not np.isfinite(v).all():
         return mean, math.inf
+    from scipy.stats import t as student_t  # on call: scipy.stats costs ~1 s to import
+
     q = float(student_t.ppf(0.5 + CONFIDENCE / 2, len(v) - 1))
     return mean, q * float(v.std(ddof=1)) / math.sqrt(len(v))
 

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-from scipy.optimize import minimize, nnls
 
 from loopprobe._threads import blas_threads
 from loopprobe.estimate.param_split import UNEMBEDDING, ParamSplit, param_split  # noqa: F401 - lp.scaling's names
@@ -160,6 +159,8 @@ def _minimize(theta0, X, free, fixed_theta, target, options, scale):
 
     bounds = [BOX[NAMES[i]] for i in free]
     z0 = np.clip(theta0[free], [b[0] for b in bounds], [b[1] for b in bounds])
+    from scipy.optimize import minimize  # on call: keeps scipy out of the import
+
     res = minimize(fun, z0, jac=True, method="L-BFGS-B", bounds=bounds, options=options)
     th = fixed_theta.copy()
     th[free] = res.x
@@ -172,6 +173,8 @@ GRID = {"alpha": (0.1, 0.25, 0.5), "beta": (0.1, 0.25, 0.5), "phi": (0.0, 0.5, 1
 def linear_starts(X: dict, fixed_theta: np.ndarray, free: np.ndarray, k: int) -> list:
     """``k`` data-informed starting points: on a grid of (alpha, beta, phi) the law is linear
     in (E, A, B), solved by non-negative least squares on the loss; the best ``k`` by SSE."""
+    from scipy.optimize import nnls  # on call: keeps scipy out of the import
+
     fixed = {NAMES[i] for i in range(6) if i not in free}
     axes = {n: ((fixed_theta[NAMES.index(n)],) if n in fixed else v) for n, v in GRID.items()}
     cands = []
