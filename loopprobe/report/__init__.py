@@ -11,7 +11,7 @@ section is adding one function and one entry in :data:`SECTIONS`.
 Without a user model every section runs on the reference
 :class:`~loopprobe.models.LoopedGPT` (:class:`ReportConfig`, sized for 2 CPU cores):
 
-- ``theory``: α, β, β/α and the predicted bound for DeepNorm vs DeepLoop (seed 002);
+- ``theory``: α, β, β/α and the predicted bound for DeepNorm vs DeepLoop (Li et al.);
 - ``visits``: physical sublayers and visits found on the model, M and M_g vs 2KR;
 - ``alignment``: κ_R and the bound check over R per scheme, fitted vs predicted slopes;
 - ``increments``: growth of ‖h_N − h_0‖/‖h_0‖ over N per residual rule and tying;

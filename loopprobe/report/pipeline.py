@@ -128,6 +128,7 @@ def _write(outdir: pathlib.Path, ctx: Context, done: list, command: str, runtime
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "runtime_s": round(runtime, 2),
         "model": model,
+        "user_model": ctx.user is not None,
         "out": str(outdir),
         "config": config,
         "sections": {s.key: sections[s.key] for s in SECTIONS if s.key in sections},

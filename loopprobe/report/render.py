@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from loopprobe.report.summary import PAPERS, headline, reader_text
 from loopprobe.report.verdicts import FAILS, HOLDS, UNKNOWN, summary_lines
 
 if TYPE_CHECKING:
@@ -31,8 +32,16 @@ def _text_table(df: pd.DataFrame) -> str:
     return df.to_string(index=False, formatters={c: _fmt for c in df.columns})
 
 
+#: claims that do not hold named per section in the summary (the rest are counted)
+MAX_NAMED = 6
+#: a table longer than this is folded on the page and left to its CSV in the terminal
+LONG_TABLE = 20
+
+
 def format_summary(done: list, results: dict) -> str:
-    """The terminal summary: one small table per section, then skipped/failed reasons."""
+    """The terminal output: one small table per section, the verdicts, the files written,
+    the skipped/failed reasons, and last the summary (what to act on) of :func:`headline`."""
+    results = reader_text(results)
     lines = [f"loopprobe report — {results['model']}", ""]
     for section, status, res, secs in done:
         head = f"[{section.key}] {section.title} ({secs:.1f} s)"
@@ -40,11 +49,16 @@ def format_summary(done: list, results: dict) -> str:
             lines += [f"{head}: {status.upper()}: {res}", ""]
             continue
         lines.append(head)
-        if res.summary is not None and len(res.summary):
+        takeaway = res.values.get("takeaway") if isinstance(res.values, dict) else None
+        if takeaway:
+            lines.append(f"  takeaway: {reader_text(takeaway)}")
+        if res.summary is not None and len(res.summary) > LONG_TABLE:
+            lines.append(f"  ({len(res.summary)}-row table: {section.key}_*.csv and the page)")
+        elif res.summary is not None and len(res.summary):
             lines += ["  " + ln for ln in _text_table(res.summary).splitlines()]
         if section.key == "alignment" and "slopes" in res.frames:
             lines += ["  " + ln for ln in _text_table(res.frames["slopes"]).splitlines()]
-        lines += [f"  note: {n}" for n in res.notes]
+        lines += [f"  note: {reader_text(n)}" for n in res.notes]
         lines.append("")
     if results.get("verdicts"):
         lines += ["verdicts:"] + ["  " + ln for ln in summary_lines(results["verdicts"])] + [""]
@@ -57,6 +71,7 @@ def format_summary(done: list, results: dict) -> str:
     )
     lines.append(f"note: {results['figures_note']}" if results.get("figures_note") else None)
     lines += [_status_line(results, status) for status in ("failed", "skipped")]
+    lines += ["", *headline(results)["lines"]]
     return "\n".join(ln for ln in lines if ln is not None)
 
 
@@ -110,15 +125,26 @@ def render_html(results: dict, outdir: pathlib.Path) -> str:
     by_status = {
         s: [k for k, v in sections.items() if v["status"] == s] for s in ("failed", "skipped")
     }
-    tables = {
-        t["csv"]: Markup(_html_table(pd.read_csv(outdir / t["csv"])))
+    frames = {
+        t["csv"]: pd.read_csv(outdir / t["csv"])
         for entry in sections.values()
         if entry["status"] == "ok"
         for t in entry["tables"]
     }
-    shown = relative_paths(results, outdir)
+    frames = {name: df.map(reader_text) for name, df in frames.items()}  # cells read as prose
+    tables = {name: Markup(_html_table(df)) for name, df in frames.items()}
+    rows = {name: len(df) for name, df in frames.items()}
+    shown = reader_text(relative_paths(results, outdir))
     return _template().render(
-        r=shown, by_status=by_status, tables=tables, verdict_class=_VERDICT_CLASS
+        r=shown,
+        by_status=by_status,
+        tables=tables,
+        rows=rows,
+        long_table=LONG_TABLE,
+        max_named=MAX_NAMED,
+        head=headline(shown),
+        papers=PAPERS,
+        verdict_class=_VERDICT_CLASS,
     )
 
 

@@ -21,7 +21,8 @@ SECTIONS: list[Section] = [
     Section(
         "theory",
         "Theory: scales and predicted bounds",
-        "What does seed 002 predict for DeepNorm vs DeepLoop as the loop count R grows?",
+        "What does DeepLoop (Li et al.) predict for DeepNorm vs DeepLoop as the loop count R "
+        "grows?",
         theory_section,
     ),
     Section(
@@ -67,8 +68,8 @@ SECTIONS: list[Section] = [
     ),
     Section(
         "reproductions",
-        "Reproductions of the seeds' training claims (pre-registered studies)",
-        "Which of the seeds' training claims (learning-rate transfer across loop counts, "
+        "Reproductions of the papers' training claims (pre-registered studies)",
+        "Which of the papers' training claims (learning-rate transfer across loop counts, "
         "reachable fixed points, DeepLoop, the edge learning rate, finite steps, the Fully "
         "Looped Transformer) hold at CPU scale, by the criteria stated before each study ran?",
         reproductions_section,

@@ -74,7 +74,7 @@ def theory_section(ctx: Context) -> Result:
     )
     res = Result(
         frames={"bounds": df},
-        tables=[("Closed forms (seed 002, Eqs. 5-16)", df)],
+        tables=[("Closed forms (DeepLoop, Eqs. 5-16)", df)],
         summary=summary,
         values={"rows": df.to_dict("records"), "slopes": slopes},
     )
@@ -89,7 +89,7 @@ def theory_section(ctx: Context) -> Result:
                 {
                     "y": "aligned_tied_bound",
                     "ylabel": "M κ_R (β/α)²  (κ_R = R)",
-                    "title": "Predicted bound vs R (seed 002, Eq. 14)",
+                    "title": "Predicted bound vs R (DeepLoop, Eq. 14)",
                 },
             )
         )
@@ -249,7 +249,7 @@ def alignment_section(ctx: Context) -> Result:
             Fig(
                 "alignment_delta_f",
                 "Measured ‖ΔF‖/‖F‖ after one SGD step vs R; dashed: the "
-                "predicted slope (seed 002, Eq. 14, aligned).",
+                "predicted slope (DeepLoop, Eq. 14, aligned).",
                 "bound",
                 "delta_f_vs_R",
                 {"y": "dF_true"},
