@@ -60,8 +60,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, _cur_sdpa_kernel_backends, sdpa_kernel
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from loopprobe.precision import _Dtypes
+from loopprobe.refusals import module_running
 
 _SDPA = F.scaled_dot_product_attention
 
@@ -312,73 +313,6 @@ class JVP:
             ) from None
 
 
-# --------------------------------------------------------------------------- refusals
-
-_REFUSALS = (
-    ("must override the setup_context staticmethod", "an autograd.Function without setup_context"),
-    ("attempting to call Tensor.", "{call} on a tensor made in the forward"),
-    ("cannot register a hook on a tensor", "a tensor hook (Tensor.register_hook) in the forward"),
-    ("can't retain_grad on Tensor", "Tensor.retain_grad() in the forward"),
-    ("does not require grad", "torch.autograd.grad (or .backward) inside the forward"),
-)
-_CALLED = re.compile(r"attempting to call (Tensor\.\w+\(\))")
-
-
-def transform_refusal(error: BaseException) -> str | None:
-    """What in the forward made ``torch.func`` refuse it (torch's error ``error``), else
-    ``None`` (an error of another kind, to be raised as it is)."""
-    if not isinstance(error, RuntimeError):
-        return None
-    text = str(error)
-    for pattern, what in _REFUSALS:
-        if pattern in text:
-            m = _CALLED.search(text)
-            return what.format(call=m.group(1) if m else "Tensor.requires_grad_()")
-    return None
-
-
-def _frames(error: BaseException) -> list[tuple[Any, int]]:
-    out, tb = [], error.__traceback__
-    while tb is not None:
-        out.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
-    return out
-
-
-def refused_function(error: BaseException) -> str | None:
-    """The ``autograd.Function`` whose ``apply`` raised ``error``, by qualified name."""
-    for frame, _ in reversed(_frames(error)):
-        cls = frame.f_locals.get("cls") if frame.f_code.co_name == "apply" else None
-        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
-            return cls.__qualname__
-    return None
-
-
-def refused_at(error: BaseException, model: torch.nn.Module | None = None) -> str:
-    """`` (Fn.apply in module 'block', at file.py:12: `source`)``: where in the user's code
-    ``error`` was raised (the Function, the innermost module of ``model``, the line)."""
-    import linecache
-    import os
-
-    names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
-    inside = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
-    module = line = None
-    for frame, lineno in reversed(_frames(error)):
-        me = frame.f_locals.get("self")
-        if module is None and me is not None and id(me) in names:
-            module = names[id(me)]
-        path = frame.f_code.co_filename
-        if line is None and not path.startswith(inside) and not path.startswith("<frozen"):
-            src = linecache.getline(path, lineno).strip()
-            line = f"{os.path.basename(path)}:{lineno}" + (f": `{src}`" if src else "")
-    fn = refused_function(error)
-    parts = [f"{fn}.apply" if fn else None]
-    parts.append(None if module is None else f"in module {module!r}" if module else "in the model")
-    parts.append(f"at {line}" if line else None)
-    said = " ".join(p for p in parts if p)
-    return f" ({said})" if said else ""
-
-
 class AutogradProducts:
     """``J^T u`` and ``J v`` of ``f(*primals)`` by plain ``torch.autograd``, for a forward
     that ``torch.func`` refuses (:func:`transform_refusal`).
@@ -462,104 +396,3 @@ class AutogradProducts:
                 f"<J^T u, v> = {b:.6g} for random u, v (a backward marked "
                 "@once_differentiable, or one that leaves torch's graph)"
             )
-
-
-def module_running(model: torch.nn.Module, fn: Callable[[], Any], op: str) -> str | None:
-    """The innermost module of ``model`` that runs the aten op ``op`` during ``fn()``."""
-    names = {id(m): n for n, m in model.named_modules()}
-    stack: list[str] = []
-    found: list[str] = []
-
-    def pre(module: torch.nn.Module, args: Any) -> None:
-        if id(module) in names:
-            stack.append(names[id(module)])
-
-    def post(module: torch.nn.Module, args: Any, out: Any) -> None:
-        if id(module) in names and stack:
-            stack.pop()
-
-    class Spy(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if not found and func.__name__.split(".")[0] == op:
-                found.append(stack[-1] if stack else "")
-            return func(*args, **(kwargs or {}))
-
-    from torch.nn.modules.module import (
-        register_module_forward_hook,
-        register_module_forward_pre_hook,
-    )
-
-    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post)]
-    try:
-        with torch.no_grad(), Spy():
-            fn()
-    except Exception:  # noqa: BLE001 - only a diagnostic; the caller raises the real error
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    return found[0] if found else None
-
-
-# --------------------------------------------------------------------------- precision
-
-
-#: Ops that move or select values without arithmetic: they round only when they cast to a
-#: coarser dtype than their inputs (``x.float()`` of a float64 ``x``).
-_MOVES = frozenset(
-    "cat stack clone copy copy_ _to_copy constant_pad_nd expand index index_select gather "
-    "select slice where masked_fill fill_ zero_ zeros_like ones_like full_like empty_like "
-    "repeat flip roll embedding detach alias lift_fresh lift_fresh_copy".split()
-)
-
-
-def _bits(t: Any) -> int:
-    return torch.finfo(t.dtype).bits
-
-
-class _Dtypes(TorchDispatchMode):
-    """Collects the floating dtypes that an op *rounds* in: the dtypes of what arithmetic on
-    floating inputs returns, and of a move that casts to a coarser dtype. A tensor created
-    without floating inputs (``torch.zeros`` of the default dtype used as a pad), a view, or
-    a copy into a wider dtype rounds nothing, so a float32 zero pad concatenated into a
-    float64 model leaves it a float64 computation."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: set[torch.dtype] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        ins = [t for t in tree_leaves((args, kwargs)) if _floating(t)]
-        if not ins or func.is_view:
-            return out
-        widest = max(_bits(t) for t in ins)
-        moves = func.overloadpacket.__name__ in _MOVES
-        for t in tree_leaves(out):
-            if _floating(t) and (not moves or _bits(t) < widest):
-                self.seen.add(t.dtype)
-        return out
-
-
-def _floating(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
-def dtypes_on_path(fn: Callable[[], Any], *, grad: bool = False) -> set[torch.dtype]:
-    """The floating dtypes rounded in while ``fn()`` runs (:class:`_Dtypes`; one call;
-    ``grad=True`` with grad enabled, for a forward that needs it: a tensor hook,
-    autograd.grad inside)."""
-    mode = _Dtypes()
-    with torch.set_grad_enabled(grad), mode:
-        fn()
-    return mode.seen
-
-
-def lowest_precision(dtypes: set[torch.dtype] | list[torch.dtype]) -> torch.dtype:
-    """The dtype with the largest machine epsilon (float64 when ``dtypes`` is empty)."""
-    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float64)
-
-
-def is_half(dtype: torch.dtype) -> bool:
-    """bfloat16 and float16: too coarse to certify an estimate to a useful tolerance."""
-    return torch.finfo(dtype).eps > 1e-4

@@ -19,9 +19,9 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import loopprobe as lp
-from loopprobe.autodiff import dtypes_on_path
 from loopprobe.estimate.alignment import visit_alignment
 from loopprobe.estimate.kappa_bounds import KappaStop, default_kappa_tol
+from loopprobe.precision import dtypes_on_path
 
 
 class PaddedLoop(nn.Module):

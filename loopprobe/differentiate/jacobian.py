@@ -31,19 +31,13 @@ from typing import Any
 import torch
 from torch.func import vjp, vmap
 
-from loopprobe.autodiff import (
-    JVP,
-    AutogradProducts,
-    dtypes_on_path,
-    lowest_precision,
-    refused_at,
-    refused_function,
-    transform_refusal,
-)
+from loopprobe.autodiff import JVP, AutogradProducts
+from loopprobe.precision import dtypes_on_path, lowest_precision
 from loopprobe.record import session
 from loopprobe.record.probe import Probe, first_nonfinite_visit
 from loopprobe.record.session import buffer_values, put_back, real_parameters, restored
 from loopprobe.record.types import Forward, Output, Visit, call_model, pick_output, seeded
+from loopprobe.refusals import refused_at, refused_function, transform_refusal
 
 
 class VisitJacobian:

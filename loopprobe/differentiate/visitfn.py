@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from loopprobe.autodiff import refused_at, transform_refusal
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Output, Visit
+from loopprobe.refusals import refused_at, transform_refusal
 
 
 class VisitFunction:

@@ -27,7 +27,7 @@ Interval = tuple[float, float]
 def default_kappa_tol(dtype: torch.dtype) -> float:
     """The default bound on kappa's error (absolute), from the precision the operators are
     computed in (the coarsest dtype any arithmetic on the path rounds in,
-    :func:`loopprobe.autodiff.dtypes_on_path`): 1e-6 in float64, 1e-3 in float32, 1e-2 in
+    :func:`loopprobe.precision.dtypes_on_path`): 1e-6 in float64, 1e-3 in float32, 1e-2 in
     half precision (never certified). In float32 the roundoff allowance of 100 eps on each
     norm alone puts kappa's bound near 5e-5 kappa, so a 1e-4 default would refuse a
     well-converged float32 kappa."""

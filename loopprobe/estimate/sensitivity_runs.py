@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from loopprobe.autodiff import is_half, lowest_precision
 from loopprobe.estimate.updates import OUTSIDE_EPS
 from loopprobe.linalg import (
     ROUNDOFF_EPS,
@@ -25,6 +24,7 @@ from loopprobe.linalg import (
     operator_norm,
     operator_norm_krylov,
 )
+from loopprobe.precision import is_half, lowest_precision
 from loopprobe.record.session import restored
 from loopprobe.record.types import call_model, pick_output, seeded
 
