@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from loopprobe._memory import auto_chunk_size
-from loopprobe.autodiff import lowest_precision
+from loopprobe.precision import lowest_precision
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: public here too
     WARM_VISITS_N,
@@ -69,7 +69,7 @@ class Sensitivity:
     converged. ``basis``: the vectors one
     Lanczos operator held (below ``max_iter``: restarted, :func:`lanczos_basis`). ``eps``:
     machine epsilon of the coarsest dtype any arithmetic of the forward rounds in (a float32
-    zero pad does not count, :func:`~loopprobe.autodiff.dtypes_on_path`; the roundoff allowance
+    zero pad does not count, :func:`~loopprobe.precision.dtypes_on_path`; the roundoff allowance
     of :func:`~loopprobe.linalg.norm_bounds`).
     """
 
