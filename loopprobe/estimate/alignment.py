@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from loopprobe._html import HTMLView
 from loopprobe._stats import cosine_matrix
 from loopprobe.estimate.kappa_bounds import (  # noqa: F401 - kappa_interval etc.: public here too
     STOP_SHARE,
@@ -59,7 +60,7 @@ def visit_kappa(
 
 
 @dataclass
-class AlignmentReport:
+class AlignmentReport(HTMLView):
     """kappa_R, one row per physical sublayer, one row per visit, and the Gram matrices.
 
     ``kappa_bar = sum_j R_j kappa_j / M_g`` is the visit-weighted aggregate of Eq. 21
@@ -82,6 +83,8 @@ class AlignmentReport:
     stopped once it could no longer move kappa_R is not, its ``[U_lo, U_hi]`` still holds
     the exact norm).
     """
+
+    _html_keys = ("kappa", "kappa_lo", "kappa_hi", "kappa_bar", "M", "M_g", "update")
 
     kappa: float
     sublayers: pd.DataFrame

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from loopprobe._html import HTMLView
 from loopprobe._stats import loglog_slope
 from loopprobe.autodiff import JVP, transform_safe
 from loopprobe.distributed import refuse
@@ -49,7 +50,7 @@ from loopprobe.record.types import (
 
 
 @dataclass
-class BoundCheck:
+class BoundCheck(HTMLView):
     """Measured ``||Delta F|| / ||F||`` after one step vs the prediction for its optimizer.
 
     ``family``: ``"sgd"`` (prediction ``M_g kappa_R (beta/alpha)^2``, seed 002), ``"adam"``
@@ -67,6 +68,8 @@ class BoundCheck:
     all forward visits M instead of M_g (they differ for truncated models, whose
     forward-only visits also read the update; C is defined with M_g).
     """
+
+    _html_keys = ("dF_true", "prediction", "C", "kappa", "optimizer")
 
     kappa: float
     M: int
@@ -344,8 +347,10 @@ def _output_at(model, params, values, inputs, forward, output, seed) -> torch.Te
 
 
 @dataclass
-class BoundSweep:
+class BoundSweep(HTMLView):
     """One :class:`BoundCheck` row per R, and the fitted log-log slopes in R."""
+
+    _html_keys = ("slope", "slope_prediction", "C_ratio")
 
     frame: pd.DataFrame
     slope: float

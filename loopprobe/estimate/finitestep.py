@@ -26,6 +26,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from loopprobe._html import HTMLView
+
 Map = Callable[[torch.Tensor], torch.Tensor]
 Utility = Callable[[torch.Tensor], torch.Tensor]
 
@@ -52,7 +54,7 @@ def reference_logprob(readout: Map, targets: torch.Tensor, ignore_index: int = -
 
 
 @dataclass(frozen=True)
-class FiniteStep:
+class FiniteStep(HTMLView):
     """Result of :func:`finite_step`: one entry per example (the state's first dimension).
 
     ``A``, ``Q``: Taylor terms of ``phi`` at 0; ``gain = phi(1)``; ``kl``: mean over

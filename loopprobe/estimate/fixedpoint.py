@@ -29,6 +29,7 @@ import pandas as pd
 import torch
 
 from loopprobe._checks import count as _count
+from loopprobe._html import HTMLView
 from loopprobe.autodiff import transform_safe
 from loopprobe.differentiate.roundmap import (
     NonFinite,
@@ -50,13 +51,15 @@ from loopprobe.linalg import Estimate, arnoldi_ritz, eig_residual, operator_norm
 
 
 @dataclass(frozen=True)
-class FixedPoint:
+class FixedPoint(HTMLView):
     """Result of :func:`fixed_point`.
 
     ``residuals[k] = ||T(h_k) - h_k|| / ||h_k||`` for the iterates ``h_0 .. h_K``;
     ``h`` is the last iterate with a finite residual (``h_K``); ``rate`` is the observed
     contraction rate (:func:`observed_rate`); ``reason`` says why the iteration stopped.
     """
+
+    _html_keys = ("residual", "rate", "iterations", "method")
 
     h: torch.Tensor
     converged: bool
@@ -184,8 +187,10 @@ def observed_rate(residuals: list[float], window: int = 10) -> float:
 
 
 @dataclass(frozen=True)
-class RoundResiduals:
+class RoundResiduals(HTMLView):
     """Result of :func:`round_residuals`: where the model's own R rounds leave the state."""
+
+    _html_keys = ("residual", "distance")
 
     h: torch.Tensor
     residuals: list[float]
@@ -247,7 +252,7 @@ def round_residuals(
 
 
 @dataclass(frozen=True)
-class SpectralRadius:
+class SpectralRadius(HTMLView):
     """Result of :func:`spectral_radius`: the top-k eigenvalues of ``J = dT/dh`` at ``h``.
 
     ``value = max |lambda|``; ``eigenvalues`` sorted by modulus (descending);
@@ -255,6 +260,8 @@ class SpectralRadius:
     JVPs; ``rel_change`` is their maximum (the :class:`~loopprobe.linalg.Estimate` field);
     ``iterations`` counts JVPs.
     """
+
+    _html_keys = ("value", "iterations", "method")
 
     value: float
     eigenvalues: np.ndarray

@@ -17,6 +17,7 @@ import pandas as pd
 from torch import nn
 
 from loopprobe._checks import Trust
+from loopprobe._html import HTMLView
 from loopprobe._stats import loglog_slope
 from loopprobe.estimate.increments import Increments, _converged_line, increments
 from loopprobe.record.increments import IncrementFn
@@ -74,7 +75,7 @@ def regime_name(slope: float, cos: float, *, tol: float = 0.15) -> str:
 
 
 @dataclass
-class Growth(Trust):
+class Growth(Trust, HTMLView):
     """A growth sweep: rows per (N, seed), the fitted log-log slope and the named regime.
 
     ``slope`` is the least-squares slope of ``log growth`` on ``log N`` over every
@@ -84,6 +85,8 @@ class Growth(Trust):
     growth the same way, every slope is defined and the regime has a name; ``reason``
     says what is not ("" when converged).
     """
+
+    _html_keys = ("slope", "regime")
 
     rows: pd.DataFrame
     slope: float

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from loopprobe._html import HTMLView
 from loopprobe.differentiate.roundmap import EVAL_ROUND, RoundMap, _eval_mode, round_map
 from loopprobe.estimate.alignment import visit_alignment
 from loopprobe.estimate.health_checks import (  # noqa: F401 - the thresholds, re-exported
@@ -84,7 +85,7 @@ __all__ = ["Health", "health"]
 
 
 @dataclass
-class Health:
+class Health(HTMLView):
     """One row per check in ``frame`` (columns :data:`COLUMNS`), the raw numbers in ``values``.
 
     ``visits`` and ``cos_G`` are the per-visit norms and gradient cosines the oscillation and

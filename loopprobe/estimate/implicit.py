@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 
 from loopprobe._checks import count as _count
+from loopprobe._html import HTMLView
 from loopprobe.autodiff import transform_safe
 from loopprobe.differentiate.roundmap import (
     NonFinite,
@@ -32,7 +33,7 @@ from loopprobe.linalg import Estimate, operator_norm
 
 
 @dataclass(frozen=True)
-class InputDependence:
+class InputDependence(HTMLView):
     """Result of :func:`input_dependence`.
 
     ``implicit``: ``||dh*/dx||_2`` with ``dh*/dx = (I - dT/dh)^{-1} dT/dx`` at the fixed
@@ -43,6 +44,8 @@ class InputDependence:
     ``tangents`` holds ``dh*/dx u`` for each direction, shape ``(m, *h.shape)``.
     ``solves`` counts GMRES solves and ``solver_failures`` those that missed ``tol``.
     """
+
+    _html_keys = ("value", "gap", "solves")
 
     implicit: Estimate
     unrolled: Estimate | None

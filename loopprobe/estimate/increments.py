@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from loopprobe._checks import Trust
+from loopprobe._html import HTMLView
 from loopprobe._stats import cosine_matrix
 from loopprobe.distributed import scope
 from loopprobe.record.increments import Collector, IncrementFn, caller_rng, refuse_routing
@@ -72,7 +73,7 @@ GROWTH_ABSOLUTE = "RMS(h_N - h_0) (h_0 = 0, so no relative change)"
 
 
 @dataclass
-class Increments(Trust):
+class Increments(Trust, HTMLView):
     """Increments of one forward pass, grouped for the cross-visit statistics.
 
     ``visits[i]`` (execution order) belongs to ``groups[group_of[i]]``. ``cos[g]`` is the
@@ -91,6 +92,8 @@ class Increments(Trust):
     ("" when converged). A decision taken by size alone is not checked by any reading
     (``evidence`` then quotes the size rule).
     """
+
+    _html_keys = ("growth", "hN_rms", "grouping")
 
     visits: list[Visit]
     grouping: str

@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from loopprobe._html import HTMLView
 from loopprobe.estimate.increments import increments as measure_increments
 from loopprobe.estimate.updates import per_visit_updates
 from loopprobe.record.probe import Probe
@@ -54,7 +55,7 @@ __all__ = [
 
 
 @dataclass
-class Instability:
+class Instability(HTMLView):
     """Per-visit gradient norms and consecutive cosines, per-round stream RMS, with flags.
 
     ``visits``: one row per visit (``sublayer``, ``r``, ``G_norm``, ``cos_prev`` = cosine
@@ -63,6 +64,8 @@ class Instability:
     last visit, ``growth`` = ratio to the previous round, ``explosion`` flag).
     ``sublayers``: mean consecutive cosine and the sublayer's ``oscillating`` flag.
     """
+
+    _html_keys = ("oscillating", "exploding", "loss")
 
     visits: pd.DataFrame
     rounds: pd.DataFrame

@@ -32,8 +32,8 @@ from typing import Any
 import pandas as pd
 import torch
 
+from loopprobe._html import HTMLView
 from loopprobe._memory import auto_chunk_size
-from loopprobe.precision import lowest_precision
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: public here too
     WARM_VISITS_N,
@@ -51,12 +51,13 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     repair_tops,
 )
 from loopprobe.linalg import Estimate, StopRule
+from loopprobe.precision import lowest_precision
 from loopprobe.record.probe import Probe
 from loopprobe.record.types import Forward, Output, Visit
 
 
 @dataclass
-class Sensitivity:
+class Sensitivity(HTMLView):
     """Operator norms ``||U_{r,j}||`` per visit and ``||sum_r U_{r,j}||`` per sublayer.
 
     ``visits[k]`` and ``visit_norms[k]`` line up; ``tied_norms[j]`` is keyed by sublayer
@@ -72,6 +73,8 @@ class Sensitivity:
     zero pad does not count, :func:`~loopprobe.precision.dtypes_on_path`; the roundoff allowance
     of :func:`~loopprobe.linalg.norm_bounds`).
     """
+
+    _html_keys = ("F_norm", "method")
 
     visits: list[Visit]
     sublayers: list[str]

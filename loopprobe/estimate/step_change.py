@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 from torch.func import jvp
 
+from loopprobe._html import HTMLView
 from loopprobe.autodiff import transform_safe
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.distributed import refuse
@@ -41,7 +42,7 @@ def sum_tolerance(dtype: torch.dtype) -> float:
 
 
 @dataclass
-class StepChange:
+class StepChange(HTMLView):
     """``Delta F_1`` of one real optimizer step, split by visit; all changes are ``/ ||F||``.
 
     ``visits``: one row per visit (``dF``: ``||U_{r,j} Delta theta_j|| / ||F||``, ``cos``:
@@ -55,6 +56,8 @@ class StepChange:
     :func:`sum_tolerance`); ``dF_true``: the finite change; ``bound``: ``sum_j bound_j +
     dF_rest`` (NaN with ``norms=False``), which holds for any optimizer.
     """
+
+    _html_keys = ("dF_true", "bound", "sum_error", "optimizer")
 
     optimizer: str
     scope: str

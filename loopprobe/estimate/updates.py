@@ -35,6 +35,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from loopprobe._html import HTMLView
 from loopprobe._stats import cosine_matrix
 from loopprobe.estimate.update_rules import check_update, precondition
 from loopprobe.record.probe import Probe, first_nonfinite_visit
@@ -43,7 +44,7 @@ from loopprobe.record.types import Forward, LossFn, Visit, call_model, default_l
 
 
 @dataclass
-class Updates:
+class Updates(HTMLView):
     """Visit-resolved updates of every physical sublayer.
 
     ``G[j]`` has shape ``(R_j, n_j)``: one flattened effective update per forward visit
@@ -60,6 +61,8 @@ class Updates:
     tied gradient); ``reason`` says which sublayer and by how much, and also names
     parameters that could not be checked (``requires_grad=False``).
     """
+
+    _html_keys = ("loss", "method", "memory")
 
     visits: list[Visit]
     sublayers: list[str]

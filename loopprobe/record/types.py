@@ -22,6 +22,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from loopprobe._html import HTMLView
+
 Forward = Callable[[nn.Module, Any], Any]
 Output = Callable[[Any], torch.Tensor]
 LossFn = Callable[[Any, Any], torch.Tensor]  # loss_fn(output, inputs) -> scalar
@@ -77,7 +79,7 @@ class VisitRecord:
 
 
 @dataclass
-class Recording:
+class Recording(HTMLView):
     """All visits of one forward pass, in execution order, plus the model output."""
 
     visits: list[VisitRecord]

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from loopprobe._checks import Trust
+from loopprobe._html import HTMLView
 from loopprobe.estimate.redundancy import attention as ra
 from loopprobe.estimate.redundancy.metrics import concentration, extrapolation, similarity, tokens
 from loopprobe.estimate.redundancy.quant import GROUP_DIM, residual_quantization
@@ -64,7 +65,7 @@ COLUMNS = ["observation", "layer", "tensor", "loop", "metric", "param", "value"]
 
 
 @dataclass
-class Redundancy(Trust):
+class Redundancy(Trust, HTMLView):
     """The four measurements as one tidy long frame, plus what could not be measured.
 
     ``frame``: one row per (observation, layer, tensor, loop, metric, param); ``param`` is
