@@ -13,6 +13,7 @@ tensor F from the result, and :func:`model_loss` reads the loss a model returns 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -108,7 +109,11 @@ def call_model(model: nn.Module, inputs: Any, forward: Forward | None = None) ->
     Compiled code runs eagerly here (``torch.compiler.set_stance("force_eager")``): a model
     compiled in place (``model.compile()``) would otherwise make Dynamo trace loopprobe's
     hooks, recompile per visit and lose the visits' gradients; the values are the same.
+    Nothing is compiled before ``torch._dynamo`` is imported, and ``set_stance`` imports it
+    (seconds, once per process), so without it the model is called as it is.
     """
+    if "torch._dynamo" not in sys.modules:
+        return _call(model, inputs, forward)
     with torch.compiler.set_stance("force_eager"):
         return _call(model, inputs, forward)
 
