@@ -9,7 +9,9 @@ output: as an input, as a slice of a concatenation, or as an input minus a fixed
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,3 +90,44 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not a.is_floating_point() or a.dtype != b.dtype:
         return False
     return float(torch.linalg.vector_norm(a - b)) <= tol * float(torch.linalg.vector_norm(b))
+
+
+def find_carried(
+    names: list[str], read: list[Any], outputs: Mapping[int, Any]
+) -> tuple[int, int, _Link] | str:
+    """``(p, P, link)``: the visits (``names`` in call order; what each ``read`` and, by
+    visit index, the ``outputs`` it returned) repeat in rounds of ``P``, and visit ``p`` of
+    each round outputs what the next round's first visit reads by ``link``, with everything
+    else it reads the same every round; else why not (a sentence)."""
+    n = len(names)
+    P = next((q for q in range(1, n // 2 + 1) if names == names[:q] * (n // q)), 0)
+    if not P:
+        return f"the visits ({', '.join(names[:6])}, ...) do not repeat in rounds"
+    R, first = n // P, names[0]
+    reads = [read[r * P] for r in range(R)]  # what each round's first visit reads
+    found, moving = [], []
+    for p in range(P):
+        ys = [outputs[r * P + p] for r in range(R)]
+        for link in _links(ys[0], reads[1]):
+            if (link.c is not None and R < 3) or not all(
+                link.holds(ys[r], reads[r + 1]) for r in range(1, R - 1)
+            ):
+                continue  # one pair cannot tell a fixed injection from a transform
+            same = all(_same(link.rest(reads[r]), link.rest(reads[0])) for r in range(1, R))
+            (found if same else moving).append((p, link))
+    outs = sorted({names[p] for p, _ in found + moving})
+    if len(found) == 1:
+        return found[0][0], P, found[0][1]
+    if found:
+        return f"the next round's first visit ({first!r}) reads several outputs ({outs})"
+    if moving:
+        return (
+            f"the next round's first visit ({first!r}) reads the output of {outs} but also "
+            "inputs that change between rounds (the loop carries more than one stream)"
+        )
+    return (
+        f"no visit's output is what the next round's first visit ({first!r}) reads (as an "
+        "input, a slice of one, or one plus a fixed tensor); if a layer outside the probe "
+        "feeds it back (an injection Linear(2d, d)), probing it too lets increment='auto' "
+        "find the carried stream"
+    )

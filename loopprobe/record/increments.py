@@ -39,7 +39,7 @@ from loopprobe.record._increment_checks import (
     _not_shaped,
     _stream_in,
 )
-from loopprobe.record.carried import _close, _Link, _links, _same
+from loopprobe.record.carried import _close, _Link, find_carried
 from loopprobe.record.probe import Probe, grads_kept
 from loopprobe.record.types import Forward, Visit, VisitRecord, call_model
 
@@ -379,42 +379,10 @@ class Collector:
         )
 
     def _carried(self) -> tuple[int, int, _Link] | str:
-        """``(p, P, link)``: the visits repeat in rounds of ``P``, and visit ``p`` of each round
-        outputs what the next round's first visit reads by ``link``, with everything else it
-        reads the same every round; else why not (a sentence)."""
-        names = [v.sublayer for v in self.visits]
-        n = len(names)
-        P = next((q for q in range(1, n // 2 + 1) if names == names[:q] * (n // q)), 0)
-        if not P:
-            return f"the visits ({', '.join(names[:6])}, ...) do not repeat in rounds"
-        R, first = n // P, names[0]
-        reads = [self.reads[r * P] for r in range(R)]
-        found, moving = [], []
-        for p in range(P):
-            ys = [self.pending[r * P + p][0] for r in range(R)]
-            for link in _links(ys[0], reads[1]):
-                if (link.c is not None and R < 3) or not all(
-                    link.holds(ys[r], reads[r + 1]) for r in range(1, R - 1)
-                ):
-                    continue  # one pair cannot tell a fixed injection from a transform
-                same = all(_same(link.rest(reads[r]), link.rest(reads[0])) for r in range(1, R))
-                (found if same else moving).append((p, link))
-        outs = sorted({names[p] for p, _ in found + moving})
-        if len(found) == 1:
-            return found[0][0], P, found[0][1]
-        if found:
-            return f"the next round's first visit ({first!r}) reads several outputs ({outs})"
-        if moving:
-            return (
-                f"the next round's first visit ({first!r}) reads the output of {outs} but also "
-                "inputs that change between rounds (the loop carries more than one stream)"
-            )
-        return (
-            f"no visit's output is what the next round's first visit ({first!r}) reads (as an "
-            "input, a slice of one, or one plus a fixed tensor); if a layer outside the probe "
-            "feeds it back (an injection Linear(2d, d)), probing it too lets increment='auto' "
-            "find the carried stream"
-        )
+        """``(p, P, link)`` of :func:`~loopprobe.record.carried.find_carried` over this
+        forward's visits, else why not (a sentence)."""
+        outputs = {k: y for k, (y, _) in self.pending.items()}  # by visit index
+        return find_carried([v.sublayer for v in self.visits], self.reads, outputs)
 
     def _use_carried(self, p: int, P: int, link: _Link) -> None:
         """Measure the carried stream: ``h_0`` from the first read, ``h_r`` visit p's outputs."""
