@@ -107,3 +107,37 @@ def test_a_notice_shows_once_logging_is_configured_and_set_level_silences_it():
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     unconfigured = run("")  # the NullHandler keeps Python's last-resort handler out
     assert unconfigured.returncode == 0 and unconfigured.stderr == "", unconfigured.stderr
+
+
+def test_the_monitors_first_budget_skip_is_one_notice_that_set_level_silences(monkeypatch, caplog):
+    from thirdparty_models import ForLoopModel, make, randn
+
+    import loopprobe.monitor.monitor as monitor_module
+
+    def watch() -> list[int]:
+        now = [0.0]
+        monkeypatch.setattr(monitor_module, "_clock", lambda: now[0])
+
+        def costly(_metrics):  # a sink that takes 5 s of the monitor's time
+            now[0] += 5.0
+
+        model, x = make(ForLoopModel, K=1, R=2), randn(2, 5)
+        loss = lambda out, _i: out.square().mean()  # noqa: E731
+        mon = loopprobe.Monitor(
+            model, x, loss, diagnostics=["updates"], every=1, budget=0.5, sinks=[costly]
+        )
+        for step in range(6):
+            now[0] += 1.0  # a training step takes 1 s
+            mon.step(step)
+        return mon.skipped
+
+    with caplog.at_level(logging.INFO, logger="loopprobe"):
+        skipped = watch()
+    notices = [r for r in caplog.records if "skipped to keep within budget" in r.getMessage()]
+    assert skipped and len(notices) == 1 and notices[0].name == "loopprobe.monitor"
+    assert f"step {skipped[0]} skipped" in notices[0].getMessage()
+    caplog.clear()
+    monkeypatch.setattr(logging.getLogger("loopprobe"), "level", logging.ERROR)  # a user's line
+    with caplog.at_level(logging.DEBUG):  # the root handler would show any record
+        assert watch() == skipped
+    assert not [r for r in caplog.records if r.name.startswith("loopprobe")]

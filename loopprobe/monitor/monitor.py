@@ -53,6 +53,7 @@ Reference: seed 002, Eq. 11-14 (G, U, kappa, C); docs/definitions.md §3-4 (incr
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -100,6 +101,7 @@ __all__ = [
 ]
 
 _clock = time.perf_counter  # the budget's clock (module level, so a test can replace it)
+logger = logging.getLogger("loopprobe.monitor")
 
 
 class Monitor:
@@ -215,6 +217,12 @@ class Monitor:
         if not self.due(step):
             return None
         if self.budget is not None and self._spent > self.budget * (now - self._start):
+            if not self.skipped:  # a notice, once: the steps it leaves out are in .skipped
+                logger.info(
+                    "%s: step %d skipped to keep within budget=%g (%.3g s of %.3g s so far); "
+                    "later skips are listed in .skipped", CALL, step, self.budget, self._spent,
+                    now - self._start,
+                )  # fmt: skip
             self.skipped.append(step)
             return None
         ctx = _Context(step)
