@@ -43,3 +43,31 @@ def test_calling_an_uncompiled_model_does_not_import_dynamo():
         "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules, 'same': ok}))"
     )
     assert got == {"dynamo": False, "same": True}
+
+
+def test_round_map_jvp_is_traced_only_once_plain_jvps_cost_as_much(monkeypatch):
+    import types
+
+    import torch
+
+    from loopprobe.differentiate import roundmap
+    from loopprobe.differentiate.roundmap import TracedJVP
+
+    clock = [0.0]
+
+    def process_time():  # every plain JVP measures 6 ms of CPU
+        clock[0] += 0.006
+        return clock[0]
+
+    monkeypatch.setattr(roundmap, "time", types.SimpleNamespace(process_time=process_time))
+    W = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    h, v = torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    jvp = TracedJVP(lambda x: torch.tanh(W @ x), h, trace=True)
+    first = jvp(v)
+    for _ in range(29):  # 30 calls, 0.18 s: less than a trace costs
+        jvp(v)
+    assert jvp.traced is None and not jvp.tried
+    for _ in range(15):  # 45 calls, 0.27 s: the trace pays from here on
+        jvp(v)
+    assert jvp.tried and jvp.traced is not None
+    assert torch.allclose(jvp(v), first, rtol=1e-12, atol=0)

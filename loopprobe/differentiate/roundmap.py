@@ -383,30 +383,36 @@ def linearize(T: Map, h: torch.Tensor, trace: bool = True) -> tuple[torch.Tensor
 class TracedJVP:
     """``v -> dT/dh(h) v``: plain ``torch.func.jvp`` first, traced once it pays off.
 
-    A plain JVP recomputes T on every call. After 10 calls that took > 5 ms each on
-    average, ``torch.func.linearize`` traces the JVP once (2-4x faster per call on small
-    Transformer rounds); the trace is checked against the last plain JVP, and a step it
-    cannot trace (data-dependent control flow, some in-place ops) or traces wrongly keeps
-    the plain JVPs.
+    A plain JVP recomputes T on every call. Once at least 10 calls have taken 0.25 s of
+    CPU together, ``torch.func.linearize`` traces the JVP once (2-4x faster per call on
+    small Transformer rounds); the trace is checked against the last plain JVP, and a step
+    it cannot trace (data-dependent control flow, some in-place ops) or traces wrongly keeps
+    the plain JVPs. The trace itself costs about 0.25-0.5 CPU-s on the report's round maps
+    (60-120 plain JVPs there), so it waits until the plain JVPs have cost about as much: a
+    map called a few dozen times is never traced, at most twice the cost of the better
+    choice either way (benchmarks/bench_report.py, the fixed-point section).
     """
 
-    after_calls, min_seconds = 10, 0.05  # class attributes: tests force tracing with 0
+    after_calls, min_seconds = 10, 0.25  # class attributes: tests force tracing with 0
 
     def __init__(self, T: Map, h: torch.Tensor, trace: bool):
         self.T, self.h, self.trace = T, h, trace
         self.calls, self.seconds = 0, 0.0
         self.traced: Map | None = None
+        self.tried = False
         self.jvp = JVP(call="the round map's JVP")  # reverse mode where an op needs it
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         if self.traced is not None:
             return self.traced(v)
-        start = time.perf_counter()
+        start = time.process_time()  # CPU: a loaded machine's wall time would trace early
         with quiet():
             out = self.jvp(self.T, (self.h,), (v,))[1]
-        self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
+        self.calls, self.seconds = self.calls + 1, self.seconds + time.process_time() - start
         traceable = self.trace and not self.jvp.reverse
-        if traceable and self.calls == self.after_calls and self.seconds >= self.min_seconds:
+        ready = self.calls >= self.after_calls and self.seconds >= self.min_seconds
+        if traceable and ready and not self.tried:
+            self.tried = True
             self.traced = self._try_trace(v, out.detach())
         return out
 
