@@ -109,6 +109,8 @@ def build_report(args: argparse.Namespace, target: Any = None) -> dict:
     from loopprobe.cli._target import build_target, call_hint, describe
     from loopprobe.report.sections_alignment import run_alignment
 
+    if target is None and args.R is not None and args.R > 2:
+        _guard(args)
     target = target or build_target(args, args.R)
     apply_threads(args, work(target.model, target.inputs))
     with call_hint(target):
@@ -150,6 +152,42 @@ def build_report(args: argparse.Namespace, target: Any = None) -> dict:
         "visits": _records(rep.visits, VISIT_KEYS),
     }
     return report
+
+
+def _guard(args: argparse.Namespace) -> None:
+    """Before a κ run at ``--R``: its memory from one forward at R = 1 and 2 (linear in R,
+    times the measured peak of a κ run per saved byte); refuse what cannot fit, and say the
+    size of a large run on stderr (the Krylov solves grow about like R², with no progress
+    line of their own)."""
+    import sys
+
+    from loopprobe._memory import (
+        KAPPA_PEAK_PER_SAVED,
+        available_bytes,
+        check_fits,
+        rounds_bytes,
+        saved_bytes,
+    )
+    from loopprobe.cli._target import build_target
+    from loopprobe.record.types import call_model
+
+    saved = []
+    try:
+        for r in (1, 2):
+            t = build_target(args, r)
+            params = [*t.model.parameters(), *t.model.buffers()]
+            saved.append(saved_bytes(lambda t=t: call_model(t.model, t.inputs, t.forward),
+                                     exclude=params))  # fmt: skip
+    except Exception:  # noqa: BLE001 - no estimate (a factory made for larger R): the run says
+        return
+    device = next(t.model.parameters(), None)
+    need = KAPPA_PEAK_PER_SAVED * rounds_bytes(saved[0], saved[1], args.R)
+    free = available_bytes(device.device if device is not None else "cpu")
+    check_fits(f"kappa --R {args.R}", need, free,
+               "lower --R (or --batch, --seq), or run where more memory is free")  # fmt: skip
+    if need > 2**30 or args.R >= 64:
+        print(f"loopprobe kappa: --R {args.R} needs about {need / 2**30:.2g} GiB (an estimate); "
+              "its time grows about like R²", file=sys.stderr)  # fmt: skip
 
 
 def _records(frame: Any, keys: tuple[str, ...]) -> list[dict]:
