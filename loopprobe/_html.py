@@ -3,8 +3,8 @@
 Every type in :mod:`loopprobe.results` derives from :class:`HTMLView`; Jupyter calls
 ``_repr_html_`` when a result is the last expression of a cell. A class names its key numbers
 in ``_html_keys`` (attribute or property names; a scalar is shown, anything else is skipped);
-the table is ``to_frame()`` cut to :data:`MAX_ROWS` rows with a note saying how many are left
-out (``result.to_frame()`` gives them all).
+the table is ``to_frame()`` (or the ``frame`` a result holds, as ``Health`` does) cut to
+:data:`MAX_ROWS` rows, with a note saying how many are left out (the frame has them all).
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def _key_numbers(result: Any) -> list[tuple[str, str]]:
 
 def _table(result: Any, max_rows: int) -> str:
     to_frame = getattr(result, "to_frame", None)
+    if to_frame is None:  # a result that holds its table (Health.frame)
+        frame = getattr(result, "frame", None)
+        to_frame = None if frame is None else (lambda: frame)
     if to_frame is None:
         return ""
     try:

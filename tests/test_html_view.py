@@ -95,3 +95,14 @@ def test_a_record_without_a_flag_says_so_and_shows_its_frame(loop):
     page = rr._repr_html_()
     assert "no convergence flag" in page and f"residual = {rr.residual:.4g}" in page
     assert re.search(r"distance = nan", page)
+
+
+def test_a_health_result_shows_its_check_table_and_what_it_could_not_trust():
+    import pandas as pd
+
+    frame = pd.DataFrame({"check": [f"c{i}" for i in range(25)], "reading": ["fine"] * 25})
+    h = results.Health(frame=frame, problems=["kappa_R: 2 estimates not converged"])
+    page = h._repr_html_()
+    assert "not converged</span>: kappa_R: 2 estimates not converged" in page
+    assert rows(page) == MAX_ROWS and "<td>c19</td>" in page and "<td>c20</td>" not in page
+    assert f"{MAX_ROWS} of 25 rows shown" in page
