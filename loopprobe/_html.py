@@ -82,5 +82,6 @@ def _table(result: Any, max_rows: int) -> str:
     shown = frame.head(max_rows).to_html(index=False, float_format=lambda v: f"{v:.4g}")
     if n <= max_rows:
         return shown
-    note = f"{max_rows} of {n} rows shown; result.to_frame() has them all"
+    whole = ".to_frame()" if hasattr(result, "to_frame") else ".frame"
+    note = f"{max_rows} of {n} rows shown; {whole} has them all"
     return f"{shown}<i>{note}</i>"

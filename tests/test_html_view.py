@@ -72,7 +72,7 @@ def test_a_result_that_did_not_converge_says_why_escaped_and_cuts_long_frames():
     assert "not converged</span>: " + html.escape(bad.reason) in page
     assert "||T(h)||" in bad.reason and f"iterations = {bad.iterations}" in page
     assert rows(page) == MAX_ROWS
-    assert f"{MAX_ROWS} of {len(bad.to_frame())} rows shown" in page
+    assert f"{MAX_ROWS} of {len(bad.to_frame())} rows shown; .to_frame() has them all" in page
     good = lp.fixed_point(lambda h: 0.5 * h + 1, torch.zeros(3, dtype=torch.float64))
     page = good._repr_html_()
     assert good.converged and "converged" in page and "not converged" not in page
@@ -105,4 +105,4 @@ def test_a_health_result_shows_its_check_table_and_what_it_could_not_trust():
     page = h._repr_html_()
     assert "not converged</span>: kappa_R: 2 estimates not converged" in page
     assert rows(page) == MAX_ROWS and "<td>c19</td>" in page and "<td>c20</td>" not in page
-    assert f"{MAX_ROWS} of 25 rows shown" in page
+    assert f"{MAX_ROWS} of 25 rows shown; .frame has them all" in page
