@@ -188,9 +188,14 @@ def redesign_verdicts(root) -> tuple[list[tuple[str, str, str]], list[str]]:
     out, notes = [], []
     sweep = root / pathlib.Path(PSWEEP_CSV).name
     if sweep.exists():
-        per_r, v, why = psweep_verdicts(psweep_table(pd.read_csv(sweep)))
+        t = psweep_table(pd.read_csv(sweep))
+        per_r, v, why = psweep_verdicts(t)
         per = "; ".join(f"R={r.R}: p_u*={r.p_star:g} {r.verdict}" for r in per_r.itertuples())
-        if v == "undecided" and why.startswith("running"):
+        esc = t.groupby("R")[["escaped", "seeds"]].sum()
+        why += (f"; largest loss rise {t['max_rise'].max():.2f} nats; secondary, escaped the "
+                "floor: " + ", ".join(f"R={R} {int(r.escaped)}/{int(r.seeds)}"
+                                      for R, r in esc.iterrows()))  # fmt: skip
+        if v == "undecided" and why.startswith("running:"):
             notes.append(f"DeepLoop redesign p-sweep: {why} ({per})")
         else:
             out.append(("p-sweep across R = 2..16: instability boundary near p = 1/2", v,
