@@ -91,7 +91,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "JVP/VJP, batched over visits) give kappa_j = ||sum U|| ||sum G|| / "
             "(R_j max||U|| max||G||) for every physical sublayer and kappa_R = max_j "
             "(seed 002, Eq. 12); 0 <= kappa_j <= R_j. Default target: LoopedGPT with random "
-            "tokens and cross-entropy."
+            "tokens and cross-entropy. Before a run at --R > 2 the memory it needs is estimated "
+            "from one forward at R = 1 and 2; an --R that cannot fit in the free memory is "
+            "refused with the estimate (exit 2)."
         ),
     )
     add_target_args(parser, default_norm="deeploop", R="one")
