@@ -30,13 +30,14 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium not insta
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """theory, alignment, redundancy (figures, a long table) and the studies' verdicts (the
-    longest text cells) on a tiny reference model: a few CPU-seconds."""
+    """theory, alignment, redundancy (figures, a long table), the studies' verdicts (the
+    longest text cells) and health (skipped here) on a tiny reference model: a few CPU-s."""
     out = tmp_path_factory.mktemp("ref")
     lines = []
     cfg = report.ReportConfig(**TINY, studies="studies")
-    report.run_report(out, cfg, sections=["theory", "alignment", "redundancy", "reproductions"],
-                      progress=False, echo=lines.append, command=f"loopprobe report --out {out}")
+    keys = ["health", "theory", "alignment", "redundancy", "reproductions"]
+    report.run_report(out, cfg, sections=keys, progress=False, echo=lines.append,
+                      command=f"loopprobe report --out {out}")
     return out, "\n".join(lines)
 
 
@@ -192,3 +193,12 @@ def test_the_redundancy_takeaway_reads_concentration_similarity_and_quantization
     lazy = pd.DataFrame({"f": [0.1, 0.5], "kl": [1e-3, 2e-4], "saved": [0.44, 0.2]})
     assert "a lazy update saves 44% of per-token work at KL 0.001 (f = 0.1)" in (
         redundancy_takeaway(_summary(0.12, 0.97, 0.4, 0.3), lazy))
+
+
+def test_a_reference_run_does_not_open_on_a_skipped_health_section(reference):
+    out = reference[0]
+    assert _results(out)["sections"]["health"]["status"] == "skipped"  # kept in the data
+    html = (out / "index.html").read_text()
+    assert "id='health'" not in html and "href='#health'" not in html
+    assert "do not apply" not in html  # the only skipped section was health
+    assert "for the health check of a model of yours, run <code>loopprobe report --model" in html
