@@ -121,8 +121,9 @@ def report_results(out: pathlib.Path, name: str) -> dict:
 def test_a_sublayer_name_with_a_script_tag_is_escaped_everywhere_in_index_html(tmp_path):
     page = render_html(report_results(tmp_path, EVIL), tmp_path)
     assert "<script>" not in page
-    # model, command, table cell, caption x3, recompute, figure error, note, reason, verdict x2
-    assert page.count("&lt;script&gt;") == 12
+    # model, command, table cell, caption x3, recompute, figure error, note, reason, verdict x3
+    # (the folded verdict line: its summary, the claim again in its details, and its why)
+    assert page.count("&lt;script&gt;") == 13
     assert "alt='kappa of blocks.0.&lt;script&gt;alert(&#39;x&#39;)" in page  # quotes too
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.func import jacrev
 
 import loopprobe as lp
-from tests.thirdparty_models import make, one_thread, randn  # noqa: F401
+from tests.thirdparty_models import make, randn
 
 # ------------------------------------------------------------------ BatchNorm in train mode
 
