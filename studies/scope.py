@@ -49,8 +49,9 @@ SCOPES: list[tuple[str, str, str, str]] = [
     ("deeploop", "DeepLoop (redesign): p-sweep", "postp LoopedGPT d 32, K 2, R 2-16, 1000 "
      "steps, lr 1e-2, no clipping, 3 seeds; unstable = divergence or a 0.5-nat loss rise",
      "more seeds per cell, or a higher lr where some p is unstable"),
-    ("deeploop", "DeepLoop (redesign)", "post-norm LoopedGPT d 32, K 2, 1000 steps, each arm at "
-     "its own tuned lr, 6 seeds", "the redesign's cells complete (docs/studies/deeploop.md)"),
+    ("deeploop", "DeepLoop (redesign)", "post-norm LoopedGPT d 32, K 2, R 1 and 3, 1000 steps, "
+     "clip 1, each arm at its best of 3 rates (bracketed; the pilot's rates agree), 6 seeds",
+     "the redesign's cells complete (docs/studies/deeploop.md)"),
     ("deeploop", "", _DL,
      "each arm at its own tuned lr, >= 6 seeds (the redesign in docs/studies/deeploop.md)"),
     ("lr_edge", "LR edge (post hoc", _EDGE.replace(", failure = ending within 0.1 nats of the "
