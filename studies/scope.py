@@ -46,7 +46,7 @@ SCOPES: list[tuple[str, str, str, str]] = [
     ("deeploop", "DeepLoop: p-sweep", "the design above at R = 3 only, 5 seeds",
      "the p-sweep across R in {2, 4, 8, 16} with an instability outcome (pre-registered in "
      "docs/studies/deeploop.md, Redesign)"),
-    ("deeploop", "DeepLoop (redesign): p-sweep", "postp LoopedGPT d 32, K 2, R 2-16, 1000 "
+    ("deeploop", "DeepLoop (redesign): p-sweep", "postp LoopedGPT d 32, K 2, R 2/4/8/16, 1000 "
      "steps, lr 1e-2, no clipping, 3 seeds; unstable = divergence or a 0.5-nat loss rise",
      "more seeds per cell, or a higher lr where some p is unstable"),
     ("deeploop", "DeepLoop (redesign)", "post-norm LoopedGPT d 32, K 2, R 1 and 3, 1000 steps, "
