@@ -7,6 +7,7 @@ as it finishes (one row per checkpoint), so an interrupted run resumes from the 
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign pilot    # lr pilot, R = 1 and 3
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign study    # 3 rates per arm and R
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign psweep   # p across R = 2..16
+    nice -n 19 .venv/bin/python -m studies.deeploop.redesign trend    # R = 1, 4k and 8k steps
     .venv/bin/python -m studies.deeploop.redesign pilot --dry         # list what is left
 
 The lr-grid cells train with ``studies.deeploop.run.train_cell`` (the original design: clip
@@ -41,6 +42,8 @@ PILOT = {"Rs": (1, 3), "lrs": (1e-3, 1e-2, 3e-2), "seeds": (0, 1), "steps": 1000
 LR_LADDER = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # half-decade steps; the pilot's optimum +- 1
 STUDY = {"Rs": (1, 3), "seeds": tuple(range(100, 106)), "steps": 1000,
          "out": here(__file__, "deeploop_lr_study.csv")}  # fmt: skip
+TREND = {"arms": ("post", "deeploop"), "budgets": (4000, 8000), "seeds": (100, 101, 102),
+         "out": here(__file__, "deeploop_trend.csv")}  # fmt: skip
 PSWEEP = {"Rs": (2, 4, 8, 16), "ps": (0.0, 0.25, 0.35, 0.45, 0.55), "seeds": (200, 201, 202),
           "lr": 1e-2, "steps": 1000, "out": here(__file__, "deeploop_psweep.csv")}  # fmt: skip
 SMOOTH = 20  # steps in the moving mean of the training loss the instability outcome reads
@@ -118,8 +121,19 @@ def psweep_cells(design: dict = PSWEEP) -> list[dict]:
             for R in design["Rs"] for s in design["seeds"] for p in design["ps"]]  # fmt: skip
 
 
+def trend_cells(design: dict = TREND) -> list[dict]:
+    """The budget trend at R = 1: post and deeploop at their tuned study lr, shortest first."""
+    from studies.deeploop.redesign_analysis import tuned
+
+    t = tuned(pd.read_csv(STUDY["out"])).set_index(["arm", "R"])["lr"]
+    return [{"arm": a, "norm": a, "p": None, "R": 1, "lr": float(t[(a, 1)]), "seed": s,
+             **BASE, "steps": n}
+            for n in design["budgets"] for s in design["seeds"]
+            for a in design["arms"]]  # fmt: skip
+
+
 def done_keys(path: str) -> set[tuple]:
-    """The (arm, p, R, lr, seed) of every finished cell in ``path`` (its final row)."""
+    """The (arm, p, R, lr, seed, steps) of every finished cell in ``path`` (its final row)."""
     if not os.path.exists(path):
         return set()
     df = pd.read_csv(path)
@@ -130,7 +144,8 @@ def done_keys(path: str) -> set[tuple]:
 def _key(cell: dict) -> tuple:
     p = cell.get("p")
     p = None if p is None or (isinstance(p, float) and math.isnan(p)) else round(float(p), 4)
-    return (cell["arm"], p, int(cell["R"]), round(float(cell["lr"]), 8), int(cell["seed"]))
+    return (cell["arm"], p, int(cell["R"]), round(float(cell["lr"]), 8), int(cell["seed"]),
+            int(cell["steps"]))  # fmt: skip
 
 
 def run_cells(cells: list[dict], fn, out: str, stop_at: float | None = None) -> int:
@@ -168,7 +183,7 @@ def study_rates(pilot: pd.DataFrame) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("design", choices=("pilot", "study", "psweep"))
+    ap.add_argument("design", choices=("pilot", "study", "psweep", "trend"))
     ap.add_argument("--dry", action="store_true", help="only say how many cells are left")
     ap.add_argument("--stop-at", dest="stop_at", help="HH:MM UTC after which no cell starts")
     a = ap.parse_args(argv)
@@ -184,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
 
         rates = study_rates(pilot_cells())
         cells, out, fn = lr_cells(STUDY, lambda arm, R: rates[(arm, R)]), STUDY["out"], train_cell
+    elif a.design == "trend":
+        cells, out, fn = trend_cells(), TREND["out"], train_cell
     else:
         cells, out, fn = psweep_cells(), PSWEEP["out"], train_unclipped
     if a.dry:
