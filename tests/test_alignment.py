@@ -244,6 +244,7 @@ def test_kappa_bar_is_the_visit_weighted_mean_of_kappa_j_and_at_most_kappa_R():
     assert rep.kappa_bar <= rep.kappa
 
 
+@pytest.mark.slow  # the reference ladder R 1..16 under two norms
 def test_acceptance_deepnorm_change_grows_like_R_deeploop_stays_flat_C_within_factor_two():
     # LoopedGPT at init, K=2, R in {1,...,16}, one SGD step (seed 002, Eq. 13-16).
     def sweep(norm):

@@ -148,14 +148,14 @@ def test_every_page_with_code_has_a_block_that_prints_what_it_shows():
         assert counted[name] >= 1, counted
 
 
-#: the pages whose code trains or sweeps for minutes: run by ./test.sh, left out by -m "not slow"
-SLOW_PAGES = {"README.md", "getting-started.md"}
+#: every page runs its code in a fresh interpreter (10-90 CPU-s each): run by ./test.sh and CI,
+#: left out of the quick loop (-m "not slow")
 
 
 @pytest.mark.parametrize(
     "path",
     [
-        pytest.param(p, marks=[pytest.mark.slow] if p.name in SLOW_PAGES else [])
+        pytest.param(p, marks=pytest.mark.slow)
         for p in pages()
         if blocks(p.read_text())  # pages without python blocks run nothing
     ],

@@ -234,6 +234,7 @@ def ladder_gpt(R: int, norm: str) -> nn.Module:
     return LoopedGPT(cfg, generator=torch.Generator().manual_seed(0)).double()
 
 
+@pytest.mark.slow  # the reference ladder R 1..16, twice
 @pytest.mark.parametrize("norm, aligned", [("deepnorm", 0.5), ("deeploop", 0.0)])
 def test_acceptance_adamw_first_step_follows_the_adam_form_not_the_sgd_form(norm, aligned):
     sweep = lp.bound_sweep(
