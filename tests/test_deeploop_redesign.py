@@ -126,3 +126,15 @@ def test_redesign_verdicts_judge_only_complete_parts_and_say_how_far_the_rest_go
     assert rows == []
     assert "running: 30 of 60 cells" in notes[0]
     assert notes[1] == f"DeepLoop redesign lr study: running, {len(lr) // 2} of 108 cells"
+
+
+def test_trend_table_pairs_deeploop_and_post_at_their_tuned_lr_per_budget():
+    study = lr_cells(BEST, {("deeploop", 1): 0.1})
+    trend = []
+    for steps, gain in ((4000, 0.05), (8000, 0.0)):
+        t = lr_cells({k: v for k, v in BEST.items() if k[1] == 1 and k[0] != "deepnorm"},
+                     {("deeploop", 1): gain}, seeds=range(3), rates=(3e-3,))  # fmt: skip
+        trend.append(t.assign(steps=steps))
+    out = ra.trend_table(pd.concat(trend, ignore_index=True), study).set_index("steps")
+    assert list(out.index) == [1000, 4000, 8000] and (out["seeds"] == 3).all()
+    assert out["diff"].to_numpy() == pytest.approx([0.1, 0.05, 0.0], abs=1e-9)

@@ -241,3 +241,21 @@ def summary_markdown(root=None) -> str:
 
 if __name__ == "__main__":
     print(summary_markdown())
+
+
+def trend_table(trend: pd.DataFrame, study: pd.DataFrame) -> pd.DataFrame:
+    """The budget trend at R = 1 (descriptive, no verdict): DeepLoop − post at each arm's tuned
+    lr per budget, paired over the seeds that have both; 1000 steps from the lr study."""
+    lrs = tuned(study).set_index(["arm", "R"])["lr"].to_dict()
+    rows = []
+    for steps, cells in [(1000, study[study["seed"].isin(set(trend["seed"]))])] + list(
+        trend.groupby("steps")
+    ):
+        f = final_losses(cells)
+        f["lr"] = cells.loc[cells["final"].astype(bool), "lr"].to_numpy()
+        d = _at(f, dl.TARGET, 1, lrs[(dl.TARGET, 1)]) - _at(f, "post", 1, lrs[("post", 1)])
+        d = d.dropna().to_numpy(dtype=float)
+        m, sd, lo, hi = dl.t_interval(d)
+        rows.append({"steps": int(steps), "seeds": len(d), "diff": m, "ci_low": lo,
+                     "ci_high": hi})  # fmt: skip
+    return pd.DataFrame(rows)
