@@ -54,7 +54,7 @@ def _paper(m: re.Match) -> str:
 
 
 def reader_text(obj: Any, key: str = "") -> Any:
-    """``obj`` with "seed 002"-style names replaced by the paper's name and "(issue 27)"-style
+    """``obj`` with "seed 002"-style names replaced by the paper's name and "(issue N)"-style
     tracker references removed from every string except command lines."""
     if isinstance(obj, dict):
         return {k: reader_text(v, k) for k, v in obj.items()}
