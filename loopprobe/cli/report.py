@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import math
 import os
+import pathlib
 import sys
 from typing import Any
 
@@ -119,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
         verdict_table(args.studies)
     made = _missing_folders(args.out)
-    report.check_out_dir(args.out)  # before any computation
-    try:
+    try:  # a Ctrl-C even between the folder's creation and the work leaves no folder
+        report.check_out_dir(args.out)  # before any computation
         return _run(args, report, sections)
     except KeyboardInterrupt:  # Ctrl-C: leave no empty folder behind (main prints the line)
         _remove_if_empty(made)
@@ -137,7 +138,12 @@ def _missing_folders(path: str) -> list[str]:
 
 
 def _remove_if_empty(made: list[str]) -> None:
-    """Remove the folders the report created, deepest first, while no file is in them."""
+    """Remove the folders the report created, deepest first, while no file is in them (the
+    write test's probe file, if a Ctrl-C caught it, is not a result)."""
+    from loopprobe.report.pipeline import WRITE_TEST
+
+    if made:
+        pathlib.Path(made[0], WRITE_TEST).unlink(missing_ok=True)
     for folder in made:
         if any(files for _, _, files in os.walk(folder)):
             return

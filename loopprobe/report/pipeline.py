@@ -24,12 +24,15 @@ if TYPE_CHECKING:  # plotting is imported when a figure is drawn
     from matplotlib.figure import Figure
 
 
+WRITE_TEST = ".loopprobe-write-test"  # written and removed to prove --out writable
+
+
 def check_out_dir(out: str | os.PathLike) -> pathlib.Path:
     """Create ``out`` and prove it writable, or raise ValueError naming it (before any work)."""
     path = pathlib.Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".loopprobe-write-test"
+        probe = path / WRITE_TEST
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
