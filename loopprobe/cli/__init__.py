@@ -29,8 +29,9 @@ import argparse
 import importlib
 import os
 import pkgutil
+import signal
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import loopprobe
 from loopprobe._io import cwd_on_path
@@ -103,6 +104,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _import_torch() -> Any:
+    """``import torch`` with Ctrl-C held until it is done: a KeyboardInterrupt inside numpy's
+    C-extension import (which torch's import runs) is swallowed there and leaves numpy half
+    loaded, so the run went on to fail later with a RecursionError. The held Ctrl-C is raised
+    once the import is complete."""
+    held: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except ValueError:  # not the main thread: signals cannot be handled here
+        import torch
+
+        return torch
+    try:
+        import torch
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt
+    return torch
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -115,7 +137,7 @@ def _main(argv: list[str] | None) -> int:
     args.threads_used = args.threads or 1
     previous = None
     if getattr(args, "uses_torch", True):  # `theory` is arithmetic: no torch to load
-        import torch
+        torch = _import_torch()
 
         previous = args.torch_default_threads = torch.get_num_threads()
         torch.set_num_threads(args.threads_used)  # commands raise it for large models
