@@ -77,7 +77,12 @@ class Ranks:
         """Raise unless every rank holds the same integers (e.g. visit counts)."""
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.long, device=self.device or "cpu")
+        device = self.device or "cpu"
+        n = torch.tensor([len(values), -len(values)], dtype=torch.long, device=device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)  # equal lengths first:
+        if n[0] != -n[1]:  # a collective of unequal sizes hangs (gloo, measured)
+            values = [*values, *[-1] * (int(n[0]) - len(values))]  # -1: not seen on this rank
+        t = torch.tensor(values, dtype=torch.long, device=device)
         hi, lo = t.clone(), -t
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
         dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=self.group)

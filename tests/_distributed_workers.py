@@ -9,6 +9,7 @@ single-process run on the concatenated batch.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 from collections.abc import Callable
 
@@ -191,14 +192,32 @@ def disagreeing_visits(rank: int, world: int) -> str:
     return "no error"
 
 
-def run(rank: int, world: int, port: int, out: str) -> None:
+def disagreeing_lengths(rank: int) -> str:
+    """Ranks that found a different number of sublayers: refused on every rank (a reduction
+    of unequal lengths would hang)."""
+    try:
+        Ranks().agree([2] if rank == 0 else [2, 3], "the visits", "call")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def run(rank: int, world: int, out: str) -> None:
+    """One rank: its stderr (with a C-level traceback on a crash) goes to ``out/rank{q}.err``,
+    which the parent shows if the rank dies; the process group meets through a file in ``out``
+    (no TCP port to race for) and gloo talks over the loopback device only."""
+    err = open(os.path.join(out, f"rank{rank}.err"), "w")  # noqa: SIM115 (lives as the process)
+    os.dup2(err.fileno(), 2)
+    faulthandler.enable(err)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    url = f"tcp://127.0.0.1:{port}"
+    url = "file://" + os.path.join(out, "store")
     dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
     try:
         res = {kind: ddp_case(kind, rank, world) for kind in BUILD}
         res["fsdp2"] = fsdp2_case(rank, world)
         res["disagree"] = disagreeing_visits(rank, world)
+        res["disagree_lengths"] = disagreeing_lengths(rank)
         torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
