@@ -82,8 +82,10 @@ def test_each_figure_comes_with_a_replot_command_that_reads_its_csv(quick_report
     assert all(
         f["replot"].startswith('python -c "import pandas as pd, loopprobe as lp;') for f in figs
     )
+    # the command as the report was called (main(argv), not this process's sys.argv)
+    typed = f"loopprobe report --quick --out {out} --no-progress"
     assert all(
-        f["recompute"].endswith(f"--sections {key}")
+        f["recompute"] == f"{typed} --sections {key}"
         for key, s in sections.items()
         for f in s.get("figures", [])
     )

@@ -135,6 +135,7 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     args.threads_used = args.threads or 1
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for 'recompute' lines
     previous = None
     if getattr(args, "uses_torch", True):  # `theory` is arithmetic: no torch to load
         torch = _import_torch()

@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace, report: Any, sections: list[str] | None) -> i
         sections=sections,
         cache=not args.no_cache,
         progress=not args.no_progress,
-        command=report.main_command(),
+        command=report.main_command(getattr(args, "argv", None)),
     )
     failed = [k for k, s in results["sections"].items() if s["status"] == "failed"]
     if failed:
