@@ -39,6 +39,10 @@ from studies import _common
 from studies.reachability import figures
 
 STUDY_RECALLS = ("none", "add", "internal")
+#: The 64-input study's settings as it ran (the redesign uses them unchanged).
+BASE = {"d_model": 32, "R": 4, "seq_len": 16, "batch": 32, "lr": 3e-3, "window": 50,
+        "patience": 4, "rel": 0.02, "stage": 100, "cap": 600, "inputs": 64,
+        "tol": 1e-7, "delta": 1e-3, "base_iter": 300, "hard_cap": 4000}  # fmt: skip
 
 
 def rounds_at(step: int, R: int, stage: int) -> int:
@@ -59,7 +63,7 @@ def train_to_plateau(cfg: dict) -> tuple[LoopedGPT, dict]:
     inputs, _, vocab = task_batch(cfg["task"], 1, cfg["seq_len"], g)
     gcfg = GPTConfig(vocab_size=vocab, seq_len=inputs.shape[1], d_model=cfg["d_model"],
                      n_heads=4, K=1, R=cfg["R"], recall=cfg["recall"],
-                     outer_norm=cfg["outer_norm"])  # fmt: skip
+                     outer_norm=cfg["outer_norm"], norm=cfg.get("norm", "pre"))  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         model = LoopedGPT(gcfg, generator=g)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
@@ -128,16 +132,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cap", type=int, default=600)
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 task, 60 steps, 8 inputs")
     ap.add_argument("--limit", type=int, help="only the first LIMIT cells (seed-major order)")
+    ap.add_argument("--design", choices=("64", "redesign"), default="64",
+                    help="redesign: pre-norm + outer norm vs post-norm (appends to its CSV)")
     a = ap.parse_args(argv)
+    if a.design == "redesign" and not a.analyze:
+        return _redesign(a)
     if a.analyze:
         figures.analyze(_common.here(__file__, ""), str(_common.FIGURES))
         return
     if a.cache is None:
         ap.error("--cache DIR is needed to train (or --analyze)")
     torch.set_num_threads(1)
-    base = {"d_model": 32, "R": 4, "seq_len": 16, "batch": 32, "lr": 3e-3, "window": 50,
-            "patience": 4, "rel": 0.02, "stage": 100, "cap": a.cap, "inputs": 64,
-            "tol": 1e-7, "delta": 1e-3, "base_iter": 300, "hard_cap": 4000}  # fmt: skip
+    base = dict(BASE, cap=a.cap)
     tasks_ = TASKS
     if a.quick:
         base.update(cap=60, window=5, stage=10, inputs=8)
@@ -152,6 +158,20 @@ def main(argv: list[str] | None = None) -> None:
     items = items[: a.limit] if a.limit is not None else items
     df = sweep(items, run, a.cache, progress=True, name="reachability-64")
     df.to_csv(a.out, index=False, float_format="%.6g")
+
+
+def _redesign(a: argparse.Namespace) -> None:
+    from studies.reachability import redesign
+
+    base = dict(BASE, cap=a.cap)
+    seeds, tasks_ = redesign.SEEDS, TASKS
+    out = a.out if a.out != _common.here(__file__, "reach_runs.csv") else _common.here(
+        __file__, redesign.CELLS)  # fmt: skip
+    if a.quick:
+        base.update(cap=60, window=5, stage=10, inputs=8)
+        seeds, tasks_ = seeds[:1], TASKS[:1]
+    items = redesign.cells(base, seeds, tasks_)
+    redesign.run_cells(items[: a.limit] if a.limit is not None else items, out)
 
 
 if __name__ == "__main__":
