@@ -48,8 +48,11 @@ def spawn(fn, out: Path) -> None:
     A rank that dies raises with every rank's stderr in the message."""
     ctx = mp.spawn(fn, args=(WORLD, str(out)), nprocs=WORLD, join=False)
     try:
-        wait_alive(lambda: ctx.join(timeout=1.0), lambda: [p.pid for p in ctx.processes],
-                   f"the {WORLD} ranks")
+        wait_alive(
+            lambda: ctx.join(timeout=1.0),
+            lambda: [p.pid for p in ctx.processes],
+            f"the {WORLD} ranks",
+        )
     except TimeoutError:
         for p in ctx.processes:
             p.kill()

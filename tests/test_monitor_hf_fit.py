@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 from test_integrations_ecosystem import BATCH, GROUP, framed
 from test_monitor_integrations import Tokens, tiny_albert
 
@@ -122,3 +123,55 @@ def test_bad_callback_options_are_named(kw, match):
     mon = Monitor(tiny_albert(), BATCH, diagnostics=["updates"])
     with pytest.raises((TypeError, ValueError), match=match):
         MonitorCallback(mon, **kw)
+
+
+def test_a_callback_built_from_arguments_judges_the_trainers_own_adamw_step(tmp_path, hf_args):
+    # The Trainer's optimizer (AdamW inside accelerate's wrapper) becomes the monitor's
+    # update=: its logged G at the last step is the AdamW-preconditioned per-visit update of
+    # the weights and optimizer state the training ended with, not the raw gradient.
+    import transformers
+
+    import loopprobe as lp
+    from loopprobe.integrations.huggingface import MonitorCallback
+
+    model = tiny_albert()
+    cb = MonitorCallback(inputs=BATCH, diagnostics=["updates"], every=3)
+    args = hf_args(max_steps=3, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    cb.add_to(trainer)
+    trainer.train()
+    opt = cb.monitor.update
+    assert type(opt) is torch.optim.AdamW and opt is trainer.optimizer.optimizer
+    probe = lp.attach(model)
+    adamw = lp.per_visit_updates(probe, BATCH, update=opt)
+    j = adamw.sublayers.index(GROUP)
+    raw = lp.per_visit_updates(probe, BATCH).norms(j).tolist()
+    got = cb.monitor.frame
+    got = got[(got.quantity == "G_norm") & (got.step == 3) & (got.sublayer == GROUP)]
+    assert got.value.tolist() == pytest.approx(adamw.norms(j).tolist(), rel=1e-5)
+    assert got.value.tolist() != pytest.approx(raw, rel=1e-2)
+
+
+def test_update_given_to_the_callback_wins_and_an_unknown_optimizer_falls_back_with_a_warning(
+    tmp_path, hf_args
+):
+    import transformers
+
+    from loopprobe.integrations.huggingface import MonitorCallback
+
+    cb = MonitorCallback(inputs=BATCH, diagnostics=["updates"], every=2, update="sgd")
+    trainer = transformers.Trainer(model=tiny_albert(), args=hf_args(max_steps=2, seed=0),
+                                   train_dataset=Tokens())  # fmt: skip
+    cb.add_to(trainer)
+    trainer.train()
+    assert cb.monitor.update == "sgd"
+
+    model = tiny_albert()
+    rms = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    cb = MonitorCallback(inputs=BATCH, diagnostics=["updates"], every=2)
+    trainer = transformers.Trainer(model=model, args=hf_args(max_steps=2, seed=0),
+                                   train_dataset=Tokens(), optimizers=(rms, None))  # fmt: skip
+    cb.add_to(trainer)
+    with pytest.warns(UserWarning, match=r"optimizer \(RMSprop\) has no per-visit update rule"):
+        trainer.train()
+    assert cb.monitor.update == "sgd"

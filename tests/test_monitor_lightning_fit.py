@@ -168,3 +168,36 @@ def test_a_checkpoint_from_before_callback_names_still_resumes_the_default_callb
     again = Monitor(lit2.model, PROBE, probe_loss, diagnostics=["updates"], every=1)
     lightning_fit(lit2, again, 3, token_data(), ckpt_path=str(path))
     assert sorted(framed(again, "probe_loss")) == [1, 2, 3]
+
+
+def test_a_config_built_callback_judges_the_trainers_own_adamw_step():
+    # The Trainer's optimizer becomes the monitor's update= once fit has made it: the logged
+    # G at the last step is the AdamW-preconditioned per-visit update of the state training
+    # ended with (not the raw gradient); update= given to the callback wins.
+    import lightning.pytorch as pl
+
+    from loopprobe.integrations.lightning import MonitorCallback
+
+    lit = lit_with_probe_loss()
+    lit.configure_optimizers = lambda: torch.optim.AdamW(lit.parameters(), lr=1e-2)
+    cb = MonitorCallback(every=2, diagnostics=["updates"], module="model")
+    kw = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    trainer = pl.Trainer(max_steps=2, callbacks=[cb], **kw)
+    trainer.fit(lit, datamodule=ProbeData.make())
+    opt = cb.monitor.update
+    assert type(opt) is torch.optim.AdamW and opt is trainer.optimizers[0]
+    probe = lp.attach(lit.model)
+    adamw = lp.per_visit_updates(probe, PROBE, probe_loss, update=opt)
+    raw = lp.per_visit_updates(probe, PROBE, probe_loss)
+    for j, name in enumerate(adamw.sublayers):
+        f = cb.monitor.frame
+        got = f[(f.quantity == "G_norm") & (f.step == 2) & (f.sublayer == name)].value.tolist()
+        assert got == pytest.approx(adamw.norms(j).tolist(), rel=1e-5)
+        assert got != pytest.approx(raw.norms(j).tolist(), rel=1e-2)
+
+    lit = lit_with_probe_loss()
+    lit.configure_optimizers = lambda: torch.optim.AdamW(lit.parameters(), lr=1e-2)
+    cb = MonitorCallback(every=2, diagnostics=["updates"], module="model", update="sgd")
+    pl.Trainer(max_steps=2, callbacks=[cb], **kw).fit(lit, datamodule=ProbeData.make())
+    assert cb.monitor.update == "sgd"

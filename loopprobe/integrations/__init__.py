@@ -36,3 +36,30 @@ def lazy_callback(module: str, build: Callable[[], type]) -> Callable[[str], Any
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def training_optimizer(optimizer: Any, call: str) -> Any:
+    """The trainer's optimizer as a monitor's ``update=``: the torch SGD/Adam/AdamW inside
+    the trainer's wrappers (accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``), or ``"sgd"`` with a warning for any other optimizer (its step
+    has no per-visit form here: G is then the raw gradient)."""
+    import warnings
+
+    import torch
+
+    seen = optimizer
+    for _ in range(8):  # wrappers keep the wrapped optimizer as .optimizer / ._optimizer
+        inner = getattr(seen, "optimizer", None) or getattr(seen, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is seen:
+            break
+        seen = inner
+    if isinstance(seen, torch.optim.SGD | torch.optim.Adam | torch.optim.AdamW):
+        return seen
+    if optimizer is not None:
+        warnings.warn(
+            f"{call}: the trainer's optimizer ({type(seen).__name__}) has no per-visit update "
+            "rule in loopprobe (SGD, Adam, AdamW do): G is the raw per-visit gradient "
+            "(update='sgd'); pass update= to the callback to choose",
+            stacklevel=3,
+        )
+    return "sgd"

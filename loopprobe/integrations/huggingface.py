@@ -29,7 +29,9 @@ frame rows it carries to the latest ones, since every checkpoint rewrites them (
 number is in ``log_history`` as well; a :class:`~loopprobe.monitor.sinks.FileSink` keeps
 all). ``on_train_end`` closes the sinks. Instead of a monitor, pass ``Monitor``'s arguments
 (``MonitorCallback(inputs=probe_batch, every=50)``) and it is built on the Trainer's model
-when training begins. transformers is imported when ``MonitorCallback`` is first looked
+when training begins, with the Trainer's optimizer as its ``update=`` (torch's SGD, Adam or
+AdamW inside accelerate's wrapper; any other: the raw gradient, with a warning; ``update=``
+given to the callback wins). transformers is imported when ``MonitorCallback`` is first looked
 up, not with this module.
 """
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loopprobe.integrations import lazy_callback
+from loopprobe.integrations import lazy_callback, training_optimizer
 
 __all__ = ["MonitorCallback"]  # noqa: F822 - built on first lookup (module __getattr__)
 
@@ -116,7 +118,10 @@ def _callback_class() -> type:
             if self.monitor is None:
                 if model is None:
                     raise ValueError(f"{CALL}: the Trainer passed no model to build on")
-                self.monitor = Monitor(model, **self._kwargs)
+                kw = dict(self._kwargs)
+                if "update" not in kw:  # the Trainer's own optimizer step, read not written
+                    kw["update"] = training_optimizer(kwargs.get("optimizer"), CALL)
+                self.monitor = Monitor(model, **kw)
             elif model is not None and not any(m is self.monitor.model for m in model.modules()):
                 raise ValueError(
                     f"{CALL}: the monitor watches a model that is not (part of) the "

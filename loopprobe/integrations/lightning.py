@@ -29,7 +29,9 @@ Monitor's arguments instead of a monitor (``MonitorCallback(every=50,
 diagnostics=["updates", "kappa"], module="model")``): when fit begins it is built on the
 LightningModule (or its submodule ``module``), the probe batch from the datamodule's
 ``probe_batch()`` method and the loss from the LightningModule's ``probe_loss(output,
-inputs)`` method (unless ``inputs=`` / ``loss_fn=`` are given). lightning (or
+inputs)`` method (unless ``inputs=`` / ``loss_fn=`` are given); once training starts, the
+Trainer's first optimizer (torch's SGD, Adam or AdamW; any other: the raw gradient, with a
+warning) is its ``update=`` unless ``update=`` is given. lightning (or
 pytorch_lightning) is imported when ``MonitorCallback`` is first looked up, not with this
 module.
 """
@@ -41,7 +43,7 @@ from typing import Any
 
 import torch
 
-from loopprobe.integrations import lazy_callback
+from loopprobe.integrations import lazy_callback, training_optimizer
 
 __all__ = ["MonitorCallback"]  # noqa: F822 - built on first lookup (module __getattr__)
 
@@ -96,7 +98,7 @@ def _callback_class() -> type:
                 raise TypeError(f"{CALL}: per_visit must be True or False, got {per_visit!r}")
             self.monitor, self.name, self.per_visit = monitor, name, per_visit
             self.module, self._kwargs = module, monitor_kwargs
-            self._last_step = -1
+            self._last_step, self._built = -1, False  # _built: the monitor is this callback's
             self._losses: list[float] = []  # this optimizer step's batches so far
 
         @property
@@ -121,8 +123,13 @@ def _callback_class() -> type:
             # before a checkpoint is read (Trainer._run: setup hooks, then the restore)
             if self.monitor is None and stage == "fit":
                 self.monitor = _build(trainer, pl_module, self.module, self._kwargs)
+                self._built = True
 
         def on_train_start(self, trainer, pl_module):
+            # a monitor built here judges the Trainer's own optimizer step (the optimizers
+            # exist only now, after setup); update= given to the callback wins
+            if self._built and "update" not in self._kwargs and trainer.optimizers:
+                self.monitor.update = training_optimizer(trainer.optimizers[0], CALL)
             self._last_step = trainer.global_step  # resumed runs start past 0
             self._losses = []
 
