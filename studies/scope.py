@@ -18,6 +18,8 @@ _LRT_DECIDE = ("an interval narrower than the 0.75-octave margin: more seeds (ab
                "finer grid around each optimum")  # fmt: skip
 _REACH = "one-block pre-norm LoopedGPT d 32, R 4, prefix sums and sudoku-like, <= 1000 steps"
 _REACH64 = _REACH + ", 36 runs x 64 inputs"
+_REACH_RD = ("one-block LoopedGPT d 32, R 4, pre-norm + outer norm vs post-norm without it, "
+             "prefix sums and sudoku-like, <= 600 steps, 60 runs x 64 inputs")  # fmt: skip
 _REACH_DECIDE = ("a no-outer-norm arm that can have fixed points (post-norm) and >= 10 runs "
                  "per arm (pre-registered in docs/studies/reachability.md)")  # fmt: skip
 _DL = ("post-norm LoopedGPT d 32, K 2, 1000 steps, one lr 3e-3 for every arm (below each arm's "
@@ -34,6 +36,8 @@ SCOPES: list[tuple[str, str, str, str]] = [
     ("lr_transfer", "run 2: 1/√N moves the optimum 1.5", _LRT2,
      "a contrast interval that excludes -1.5 under the quartic vertex too: more seeds"),
     ("lr_transfer", "run 2", _LRT2, _LRT_DECIDE),
+    ("reachability", "redesign", _REACH_RD, "more runs per arm: at 10 the 95 % half-width is "
+     "about 0.15"),
     ("reachability", "64-input study", _REACH64, _REACH_DECIDE),
     ("reachability", "outer norm is what", _REACH + ", 24 runs; without the outer norm the "
      "pre-norm stream drifts linearly, so no weights reach a fixed point: holds by construction",

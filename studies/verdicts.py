@@ -36,12 +36,14 @@ from studies.lr_transfer.analysis import (
 )
 from studies.reachability.analysis import reach_claims, reach_outer_norm_effect, reach_summary
 from studies.reachability.analysis64 import study_claims, study_summary
+from studies.reachability.analysis_redesign import redesign_claims, redesign_summary
 
 #: The studies tree (this package) and its verdict table.
 HERE = pathlib.Path(__file__).resolve().parent
 VERDICTS = HERE / "verdicts.csv"
 COLUMNS = ["study", "claim", "verdict", "measured", "expected", "why"]
 STUDY_CELLS = "reach_runs.csv"  # the 64-input reachability study (studies/reachability/run.py)
+REDESIGN_CELLS = "reach_redesign.csv"  # its redesign (studies/reachability/redesign.py)
 
 
 def collect(root: pathlib.Path = HERE) -> tuple[list, list[tuple[str, Verdict]], list[str]]:
@@ -118,6 +120,17 @@ def collect(root: pathlib.Path = HERE) -> tuple[list, list[tuple[str, Verdict]],
         notes.append(f"64-input reachability study: {len(runs)} runs, {cpu.sum():.1f} CPU-min "
                      f"(training {cpu['cpu_train_s']:.1f}, probe {cpu['cpu_probe_s']:.1f}); "
                      "design and criteria: docs/studies/reachability.md")  # fmt: skip
+    if (reach_dir / REDESIGN_CELLS).exists():
+        runs = pd.read_csv(reach_dir / REDESIGN_CELLS)
+        claims = redesign_claims(runs)
+        tables.append(("Reachability redesign: pre-norm + outer norm vs post-norm (issue 39.4)",
+                       redesign_summary(runs)))  # fmt: skip
+        tables.append(("Reachability redesign: pre-stated claims", claims))
+        verdicts += [("reachability", v) for v in _study_verdicts(claims, "redesign")]
+        cpu = runs[["cpu_train_s", "cpu_probe_s"]].sum() / 60
+        notes.append(f"reachability redesign: {len(runs)} runs, {cpu.sum():.1f} CPU-min "
+                     f"(training {cpu['cpu_train_s']:.1f}, probe {cpu['cpu_probe_s']:.1f}); "
+                     "design and criteria: docs/studies/reachability.md")  # fmt: skip
     more_tables, more_verdicts, more_notes = issue30_studies(root)
     tables += more_tables
     verdicts += more_verdicts
@@ -139,13 +152,13 @@ def write(path: pathlib.Path = VERDICTS, root: pathlib.Path = HERE) -> pd.DataFr
     return table
 
 
-def _study_verdicts(claims: pd.DataFrame) -> list:
-    """The 64-input study's claims as verdicts (``undecided (why)`` keeps its reason)."""
+def _study_verdicts(claims: pd.DataFrame, name: str = "64-input study") -> list:
+    """A reachability study's claims as verdicts (``undecided (why)`` keeps its reason)."""
     mapping = {"holds": HOLDS, "fails": FAILS}
     return [
         Verdict(
             "reproductions",
-            f"64-input study: {r['claim']}",
+            f"{name}: {r['claim']}",
             mapping.get(r["verdict"], UNKNOWN),
             r["measured"],
             f"{r['expected']} (pre-stated, docs/studies/reachability.md)",

@@ -8,7 +8,9 @@ outer norm the runs that reached a fixed point, rho and ||dh*/dx|| there, accura
 ``reachability_summary.csv``, docs/figures/reachability_study.png. The 64-input study (issue
 30.3, docs/studies/reachability.md, :mod:`studies.reachability.analysis64`):
 ``reach_runs.csv`` -> ``reach_summary.csv``, its pre-stated claims,
-docs/figures/reach_study.png.
+docs/figures/reach_study.png. The redesign (issue 39.4,
+:mod:`studies.reachability.analysis_redesign`): ``reach_redesign.csv`` ->
+``reach_redesign_summary.csv``, its pre-stated claims, docs/figures/reach_redesign.png.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pandas as pd
 from studies._common import md
 from studies.reachability.analysis import reach_claims, reach_outer_norm_effect, reach_summary
 from studies.reachability.analysis64 import study_claims, study_summary
+from studies.reachability.analysis_redesign import redesign_claims, redesign_summary
 
 
 def reach_figure(df: pd.DataFrame, path: str) -> None:
@@ -96,9 +99,53 @@ def reach_study(data: str, figdir: str) -> None:
     reach_study_figure(runs, claims, f"{figdir}/reach_study.png")
 
 
+def redesign_figure(runs: pd.DataFrame, path: str) -> None:
+    """The redesign: reach fraction and accuracy at R per run, per recall x arm (x: prefix
+    sums, o: Latin square; blue: post-norm without outer norm, orange: pre-norm + outer norm)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [(r, n) for n in ("post", "pre") for r in ("none", "add", "internal")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    rng = np.random.default_rng(0)
+    for ax, col in zip(axes, ("reach_frac", "acc_R4"), strict=True):
+        for i, (r, n) in enumerate(arms):
+            for task, mark in (("prefix_sums", "x"), ("sudoku_like", "o")):
+                v = runs.loc[(runs["recall"] == r) & (runs["norm"] == n)
+                             & (runs["task"] == task), col]  # fmt: skip
+                ax.scatter(i + rng.uniform(-0.15, 0.15, len(v)), v, marker=mark, s=18,
+                           color="C1" if n == "pre" else "C0")  # fmt: skip
+        ax.set_xticks(range(len(arms)), [f"{r} {'pre+outer' if n == 'pre' else 'post'}"
+                                         for r, n in arms], rotation=30, fontsize=8)  # fmt: skip
+        ax.set_ylabel({"reach_frac": "reach fraction (64 inputs)", "acc_R4": "accuracy at R"}[col])
+    axes[0].set_title("x: prefix sums, o: Latin square", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def redesign(data: str, figdir: str) -> None:
+    """The redesign (issue 39.4): summary CSV, claims, figure."""
+    try:
+        runs = pd.read_csv(f"{data}/reach_redesign.csv")
+    except FileNotFoundError:
+        return
+    s = redesign_summary(runs)
+    s.to_csv(f"{data}/reach_redesign_summary.csv", index=False, float_format="%.4g")
+    cpu = (runs["cpu_train_s"].sum() + runs["cpu_probe_s"].sum()) / 60
+    print(f"## Reachability redesign ({len(runs)} runs, {cpu:.1f} CPU-min)")
+    print(md(s))
+    claims = redesign_claims(runs)
+    for r in claims.to_dict("records"):
+        print(f"- {r['claim']}: {r['measured']} -> {r['verdict']}")
+    redesign_figure(runs, f"{figdir}/reach_redesign.png")
+
+
 def analyze(data: str, figdir: str) -> None:
-    """Both studies' tables (printed), summary CSVs (under ``data``), figures (``figdir``)."""
+    """Every study's tables (printed), summary CSVs (under ``data``), figures (``figdir``)."""
     reach_study(data, figdir)
+    redesign(data, figdir)
     try:
         reach = pd.read_csv(f"{data}/reachability_study.csv")
     except FileNotFoundError:
