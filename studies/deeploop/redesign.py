@@ -29,11 +29,8 @@ import time
 import pandas as pd
 import torch
 
-from loopprobe import tasks
-from loopprobe.experiments.coordcheck import make_optimizer
-from loopprobe.models import GPTConfig, LoopedGPT
-from studies._common import evaluate, here, val_batches
-from studies.deeploop.run import BASE, train_cell
+from studies._common import here
+from studies.deeploop.run import BASE, train_cell, train_steps
 
 ARMS = ("post", "deepnorm", "deeploop")
 #: lr pilot: the original lr 3e-3 plus these, half a decade apart, seeds 0-1 (3e-3: seeds 0-2)
@@ -57,37 +54,9 @@ def train_unclipped(cfg: dict) -> list[dict]:
     its running minimum after warmup (nats; a loss spike), and ``diverged`` when a training
     loss was not finite."""
     cpu0 = time.process_time()
-    gcfg = GPTConfig(vocab_size=256, seq_len=cfg["seq"], d_model=cfg["d"], n_heads=cfg["heads"],
-                     K=cfg["K"], R=cfg["R"], norm="postp" if cfg["p"] else "post",
-                     p=cfg["p"] or None)  # fmt: skip
-    model = LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
-    data = torch.Generator().manual_seed(7_000 + cfg["seed"])
-    evals = val_batches(cfg)
+    norm, p = ("postp" if cfg["p"] else "post"), (cfg["p"] or None)
+    rows, losses, error = train_steps(cfg, norm, p, clip=None)
     steps, n_warm = cfg["steps"], max(1, int(0.05 * cfg["steps"]))
-    opt = make_optimizer(model, "adamw", cfg["lr"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda t: min((t + 1) / n_warm, max(0.0, (steps - t) / max(1, steps - n_warm)))
-    )
-    marks = {round(steps * (i + 1) / cfg["checkpoints"]) for i in range(cfg["checkpoints"])}
-    rows, losses, error = [], [], None
-    model.train()
-    for t in range(steps):
-        x, y = tasks.stdlib_text(cfg["batch"], cfg["seq"], data)
-        loss = tasks.lm_loss(model(x), y)
-        if not torch.isfinite(loss):
-            error = f"non-finite training loss at step {t}"
-            break
-        losses.append(float(loss.detach()))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        if t + 1 in marks:
-            rows.append({"step": t + 1, "val_loss": evaluate(model, evals)})
-    if error is None and not (rows and math.isfinite(rows[-1]["val_loss"])):
-        error = "non-finite held-out loss"
-    if error is not None:
-        rows.append({"step": steps, "val_loss": math.nan})
     rise = loss_rise(losses, start=n_warm)
     tail = losses[-max(1, steps // 10) :]
     cpu = time.process_time() - cpu0

@@ -44,11 +44,13 @@ PILOT = {"seed0": 0, "seeds": 3, "p_seeds": 0, "steps": 1000, "lr": 3e-3,
          "out": _common.here(__file__, "deeploop_pilot.csv")}  # fmt: skip
 
 
-def train_cell(cfg: dict) -> list[dict]:
-    """Train one (norm, p, R, seed); one row per checkpoint (held-out loss at that step)."""
-    cpu0 = time.process_time()
+def train_steps(cfg: dict, norm: str, p: float | None, clip: float | None):
+    """Build one cell's model and train it (AdamW, linear warmup over 5 % then linear decay,
+    ``clip``: the gradient-norm clip or None). Returns the rows (held-out loss at each
+    checkpoint, plus a NaN row at the last step if training failed), every step's training
+    loss, and the error (None, or why the run failed)."""
     gcfg = GPTConfig(vocab_size=256, seq_len=cfg["seq"], d_model=cfg["d"], n_heads=cfg["heads"],
-                     K=cfg["K"], R=cfg["R"], norm=cfg["norm"], p=cfg["p"])  # fmt: skip
+                     K=cfg["K"], R=cfg["R"], norm=norm, p=p)  # fmt: skip
     model = LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
     data = torch.Generator().manual_seed(7_000 + cfg["seed"])
     evals = val_batches(cfg)
@@ -60,7 +62,7 @@ def train_cell(cfg: dict) -> list[dict]:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     marks = {round(steps * (i + 1) / cfg["checkpoints"]) for i in range(cfg["checkpoints"])}
-    rows, tail, error = [], [], None
+    rows, losses, error = [], [], None
     model.train()
     for t in range(steps):
         x, y = tasks.stdlib_text(cfg["batch"], cfg["seq"], data)
@@ -68,13 +70,13 @@ def train_cell(cfg: dict) -> list[dict]:
         if not torch.isfinite(loss):
             error = f"non-finite training loss at step {t}"
             break
+        losses.append(float(loss.detach()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         sched.step()
-        if t >= steps - max(1, steps // 10):
-            tail.append(float(loss.detach()))
         if t + 1 in marks:
             rows.append({"step": t + 1, "val_loss": evaluate(model, evals)})
     final = rows[-1]["val_loss"] if rows and rows[-1]["step"] == steps else math.nan
@@ -82,6 +84,15 @@ def train_cell(cfg: dict) -> list[dict]:
         error = "non-finite held-out loss"
     if error is not None:
         rows.append({"step": steps, "val_loss": math.nan})
+    return rows, losses, error
+
+
+def train_cell(cfg: dict) -> list[dict]:
+    """Train one (norm, p, R, seed); one row per checkpoint (held-out loss at that step)."""
+    cpu0 = time.process_time()
+    rows, losses, error = train_steps(cfg, cfg["norm"], cfg["p"], clip=1.0)
+    steps = cfg["steps"]
+    tail = losses[steps - max(1, steps // 10) :]  # the last tenth's steps that ran
     train_loss = sum(tail) / len(tail) if tail else math.nan
     cpu = time.process_time() - cpu0
     for row in rows:
