@@ -34,6 +34,7 @@ import sys
 from typing import Any, NoReturn
 
 import loopprobe
+from loopprobe._interrupt import kept
 from loopprobe._io import cwd_on_path
 from loopprobe.cli._common import json_only_on_stdout, model_frame, where
 
@@ -143,7 +144,7 @@ def _main(argv: list[str] | None) -> int:
         previous = args.torch_default_threads = torch.get_num_threads()
         torch.set_num_threads(args.threads_used)  # commands raise it for large models
     try:
-        with cwd_on_path(), json_only_on_stdout(bool(getattr(args, "json", False))):
+        with cwd_on_path(), json_only_on_stdout(bool(getattr(args, "json", False))), kept():
             return int(args.func(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: one line, never a traceback (also with --debug)
         print(f"loopprobe {args.command}: {_interrupted(args)}", file=sys.stderr)

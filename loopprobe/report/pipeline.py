@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 import loopprobe
+from loopprobe._interrupt import check
 from loopprobe._io import to_jsonable
 from loopprobe.report.config import Context, Fig, ReportConfig, Result, Section, Skip, UserModel
 from loopprobe.report.render import format_summary, render_html
@@ -75,6 +76,7 @@ def run_report(
     todo = [s for s in SECTIONS if s.key in chosen]
     bar = tqdm(todo, desc="report", unit="section", disable=not progress)
     for section in bar:
+        check()  # a Ctrl-C a finaliser swallowed in the last section (the CLI keeps it)
         bar.set_postfix_str(section.key)
         t0 = time.perf_counter()
         try:
@@ -86,6 +88,7 @@ def run_report(
             res, status = f"{type(err).__name__}: {err}", "failed"
         done.append((section, status, res, time.perf_counter() - t0))
     bar.close()
+    check()
     results = _write(outdir, ctx, done, command, time.perf_counter() - started)
     echo(format_summary(done, results))
     return results
