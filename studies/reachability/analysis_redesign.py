@@ -41,8 +41,10 @@ def _outer_side(lo: float, hi: float) -> str:
     if -MARGIN < lo and hi < MARGIN:
         return "fails"
     if hi < -MARGIN:
-        return "undecided (the interval lies below -0.1: more is reached without the outer " \
-               "norm; the registered rule has no verdict for this side)"
+        return (
+            "undecided (the interval lies below -0.1: more is reached without the outer "
+            "norm; the registered rule has no verdict for this side)"
+        )
     return "undecided"
 
 
@@ -92,19 +94,23 @@ def redesign_summary(runs: pd.DataFrame) -> pd.DataFrame:
     cap), misses not contracting, iterations, rho at reached points, distinct / reached,
     local sensitivity, accuracies, training steps and how many runs plateaued."""
     arm = runs["norm"] + runs["outer_norm"].map({True: " + outer norm", False: ""})
-    agg = runs.assign(arm=arm).groupby(["task", "recall", "arm"], sort=False).agg(
-        runs=("seed", "size"),
-        reach=("reach_frac", "mean"),
-        reach_2x=("reach_frac_2x", "mean"),
-        miss_not_contracting=("miss_not_contracting", "sum"),
-        iter_median=("iter_median", "median"),
-        rate_median=("rate_median", "median"),
-        rho_reached_max=("rho_max", "max"),
-        distinct_frac=("distinct_frac", "mean"),
-        local_sens=("local_sensitivity", "median"),
-        acc_R4=("acc_R4", "mean"),
-        acc_R16=("acc_R16", "mean"),
-        steps=("steps", "median"),
-        plateau=("stop", lambda s: int((s == "plateau").sum())),
+    agg = (
+        runs.assign(arm=arm)
+        .groupby(["task", "recall", "arm"], sort=False)
+        .agg(
+            runs=("seed", "size"),
+            reach=("reach_frac", "mean"),
+            reach_2x=("reach_frac_2x", "mean"),
+            miss_not_contracting=("miss_not_contracting", "sum"),
+            iter_median=("iter_median", "median"),
+            rate_median=("rate_median", "median"),
+            rho_reached_max=("rho_max", "max"),
+            distinct_frac=("distinct_frac", "mean"),
+            local_sens=("local_sensitivity", "median"),
+            acc_R4=("acc_R4", "mean"),
+            acc_R16=("acc_R16", "mean"),
+            steps=("steps", "median"),
+            plateau=("stop", lambda s: int((s == "plateau").sum())),
+        )
     )
     return agg.reset_index()

@@ -15,7 +15,8 @@ were committed before the run (docs/studies/reachability.md). Cells are cached (
 
     nice -n 19 python -m studies reachability --cache DIR   # ~20 CPU-minutes
     python -m studies reachability --quick --cache /tmp/rq --out /tmp/rq.csv
-    python -m studies reachability --analyze   # both studies' tables, summaries, figures
+    python -m studies reachability --analyze   # every study's tables, summaries, figures
+    nice -n 19 python -m studies reachability --design redesign   # issue 39.4 (redesign.py)
 
 Issue 17's earlier recall-variant study (``reachability_study.csv``) was trained by
 :func:`loopprobe.experiments.recall_study`; ``--analyze`` judges it too.
@@ -132,8 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cap", type=int, default=600)
     ap.add_argument("--quick", action="store_true", help="1 seed, 1 task, 60 steps, 8 inputs")
     ap.add_argument("--limit", type=int, help="only the first LIMIT cells (seed-major order)")
-    ap.add_argument("--design", choices=("64", "redesign"), default="64",
-                    help="redesign: pre-norm + outer norm vs post-norm (appends to its CSV)")
+    ap.add_argument(
+        "--design",
+        choices=("64", "redesign"),
+        default="64",
+        help="redesign: pre-norm + outer norm vs post-norm (appends to its CSV)",
+    )
     a = ap.parse_args(argv)
     if a.design == "redesign" and not a.analyze:
         return _redesign(a)
