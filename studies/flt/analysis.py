@@ -97,20 +97,25 @@ def newcombe(k1: int, n1: int, k2: int, n2: int, level: float = LEVEL) -> tuple[
 # ------------------------------------------------------------------------------ cells
 
 
-def events(cells: pd.DataFrame, floor: float | None = None) -> pd.DataFrame:
+def events(cells: pd.DataFrame, floor: float | None = None,
+           signals: dict | None = None) -> pd.DataFrame:  # fmt: skip
     """One row per cell: ``collapsed``, ``collapse_step``, per signal ``fire_<s>`` (first
     record step with the flag on, NaN if never), ``lead_<s>`` and ``before_<s>``;
-    ``final_loss``, ``last_step``, ``cpu_s``."""
-    need = set(KEY) | {"step", "val_loss", "diverged", "stream_rms_last"}
-    need |= {SIGNALS[s] for s in PRIMARY}
+    ``final_loss``, ``last_step``, ``cpu_s``. ``signals``: name -> column (default
+    ``SIGNALS``; ``growth`` is derived from ``stream_rms_last``)."""
+    signals = SIGNALS if signals is None else signals
+    need = set(KEY) | {"step", "val_loss", "diverged"}
+    need |= {c for c in signals.values() if c != "growth"}
+    need |= {"stream_rms_last"} if "growth" in signals.values() else set()
     if missing := need - set(cells.columns):
         raise ValueError(f"flt.events: cells lack columns {sorted(missing)}")
     floor = unigram_floor() if floor is None else floor
     rows = []
     for key, g in cells.groupby(KEY, sort=True):
         g = g.sort_values("step").copy()
-        rms = g["stream_rms_last"].astype(float).to_numpy()
-        g["growth"] = np.nan_to_num(rms / rms[0], nan=np.inf) >= GROWTH
+        if "growth" in signals.values():
+            rms = g["stream_rms_last"].astype(float).to_numpy()
+            g["growth"] = np.nan_to_num(rms / rms[0], nan=np.inf) >= GROWTH
         steps, loss = g["step"].to_numpy(), g["val_loss"].astype(float).to_numpy()
         finite = loss[np.isfinite(loss)]
         c = _collapse_step(steps, loss, bool(g["diverged"].astype(bool).any()), floor)
@@ -118,7 +123,7 @@ def events(cells: pd.DataFrame, floor: float | None = None) -> pd.DataFrame:
         row.update(collapsed=not math.isnan(c), collapse_step=c, last_step=float(steps[-1]),
                    final_loss=float(finite[-1]) if len(finite) else math.nan,
                    cpu_s=float(g["cpu_s"].iloc[0]) if "cpu_s" in g else math.nan)  # fmt: skip
-        for name, col in SIGNALS.items():
+        for name, col in signals.items():
             on = np.flatnonzero(g[col].fillna(0).astype(float).to_numpy() > 0)
             f = float(steps[on[0]]) if len(on) else math.nan
             row[f"fire_{name}"] = f
@@ -155,9 +160,10 @@ def _study_lr(ev: pd.DataFrame, lr: float | None) -> float:
     return max(both)
 
 
-def avoids(cells: pd.DataFrame, lr: float | None = None, floor: float | None = None) -> dict:
+def avoids(cells: pd.DataFrame, lr: float | None = None, floor: float | None = None,
+           signals: dict | None = None) -> dict:  # fmt: skip
     """FLT avoids the LT's collapse at the study lr (default: the largest lr both ran)."""
-    ev = events(cells, floor)
+    ev = events(cells, floor, signals)
     lr = _study_lr(ev, lr)
     ev = ev[np.isclose(ev["lr"], lr)]
     lt, flt = ev[ev["arm"] == LT], ev[ev["arm"] == FLT]
@@ -190,11 +196,13 @@ def avoids_claim(cells: pd.DataFrame, lrs=COLLAPSE_LRS, floor: float | None = No
             "reason": "; ".join(f"lr {p['lr']:g} {p['verdict']}" for p in per)}  # fmt: skip
 
 
-def warns(cells: pd.DataFrame, signal: str, floor: float | None = None) -> dict:
+def warns(cells: pd.DataFrame, signal: str, floor: float | None = None,
+          signals: dict | None = None) -> dict:  # fmt: skip
     """Does ``signal`` fire before collapse (in collapsed cells) and not in healthy ones?"""
-    if signal not in SIGNALS:
-        raise ValueError(f"flt.warns: signal={signal!r}; choose one of {list(SIGNALS)}")
-    ev = events(cells, floor)
+    signals = SIGNALS if signals is None else signals
+    if signal not in signals:
+        raise ValueError(f"flt.warns: signal={signal!r}; choose one of {list(signals)}")
+    ev = events(cells, floor, signals)
     col, healthy = ev[ev["collapsed"]], ev[~ev["collapsed"]]
     kb, nc = int(col[f"before_{signal}"].sum()), len(col)
     kf, nh = int(healthy[f"fire_{signal}"].notna().sum()), len(healthy)

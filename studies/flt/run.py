@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -78,6 +79,22 @@ def probe_row(model, probe, batch, evals) -> dict:
     return row
 
 
+def layer_grad_norm(block: torch.nn.Module) -> float:
+    """Norm of one physical layer's gradient (all its parameters; summed over its visits)."""
+    sq = sum(float(p.grad.pow(2).sum()) for p in block.parameters() if p.grad is not None)
+    return math.sqrt(sq)
+
+
+def _norm_columns(gnorms: list[list[float]]) -> dict:
+    """``gnorm_<k>``: layer k's gradient norm at every training step since the previous
+    record row (space-separated, oldest first; emptied here), so that the CSV holds each
+    layer's whole per-step series for the per-layer oscillation diagnostic."""
+    out = {f"gnorm_{k}": " ".join(f"{v:.6g}" for v in g) for k, g in enumerate(gnorms)}
+    for g in gnorms:
+        g.clear()
+    return out
+
+
 def train_cell(cfg: dict) -> list[dict]:
     """Train one (arm, R, lr, seed); one row per record step (diagnostics before the step)."""
     cpu0 = time.process_time()
@@ -90,14 +107,17 @@ def train_cell(cfg: dict) -> list[dict]:
     probe = lp.attach(model)
     opt = make_optimizer(model, "adamw", cfg["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / cfg["warmup"]))
-    rows, window, error = [], [], None
+    rows, window, gnorms, error = [], [], [[] for _ in model.blocks], None
     model.train()
     for t in range(cfg["steps"] + 1):
         record = t % cfg["every"] == 0
         if record:
-            row = {"step": t, **probe_row(model, probe, probe_batch, evals)}
+            diag = (probe_row(model, probe, probe_batch, evals) if cfg.get("probe", True)
+                    else {"val_loss": evaluate(model, evals)})  # fmt: skip
+            row = {"step": t, **diag}
         if t == cfg["steps"]:
-            rows.append({**row, "train_loss": math.nan, "grad_norm": math.nan})
+            rows.append({**row, **_norm_columns(gnorms), "train_loss": math.nan,
+                         "grad_norm": math.nan})  # fmt: skip
             break
         x, y = tasks.stdlib_text(cfg["batch"], cfg["seq"], data)
         loss = tasks.lm_loss(model(x), y)
@@ -105,9 +125,12 @@ def train_cell(cfg: dict) -> list[dict]:
         if torch.isfinite(loss):
             loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf))
+        for k, blk in enumerate(model.blocks):
+            gnorms[k].append(layer_grad_norm(blk))
         window.append(float(loss.detach()))
         if record:
-            rows.append({**row, "train_loss": sum(window) / len(window), "grad_norm": gnorm})
+            rows.append({**row, **_norm_columns(gnorms), "train_loss": sum(window) / len(window),
+                         "grad_norm": gnorm})  # fmt: skip
             window = []
         if not (torch.isfinite(loss) and math.isfinite(gnorm)):
             error = f"non-finite training loss or gradient at step {t}"
@@ -122,7 +145,7 @@ def train_cell(cfg: dict) -> list[dict]:
     return rows
 
 
-train_cell.version = 1
+train_cell.version = 2  # 2: per-layer gradient norms (gnorm_<k>) per step
 
 
 def cells_for_seed(seed: int, a: argparse.Namespace) -> list[dict]:
@@ -136,7 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lrs")
     ap.add_argument("--arms")
     ap.add_argument("--Rs")
+    ap.add_argument("--design", choices=("redesign-pilot", "redesign"),
+                    help="the redesign (issue 39.6): its pilot, or its study at the pilot's "
+                         "control (cells appended to their CSV; a rerun skips them)")  # fmt: skip
     a = _common.apply_design(ap.parse_args(argv), STUDY, PILOT)
+    if a.design is not None:
+        return _redesign(a)
     if a.analyze:
         df = pd.read_csv(a.out)
         print(study.summary_markdown(df))
@@ -152,6 +180,22 @@ def main(argv: list[str] | None = None) -> None:
     df = _common.run_seeds(range(a.seed0, a.seed0 + a.seeds), lambda seed: cells_for_seed(seed, a),
                            train_cell, a.cache, a.out, "flt_study")  # fmt: skip
     print(f"{df.groupby(['arm', 'R', 'lr', 'seed']).ngroups} cells in {a.out}", file=sys.stderr)
+
+
+def _redesign(a) -> None:
+    from studies.flt import redesign
+
+    pilot = pd.read_csv(redesign.PILOT_CELLS) if os.path.exists(redesign.PILOT_CELLS) else None
+    if a.analyze:
+        if pilot is None:
+            raise SystemExit(f"no pilot cells at {redesign.PILOT_CELLS}: run --design "
+                             "redesign-pilot first")  # fmt: skip
+        cells = pd.read_csv(redesign.CELLS) if os.path.exists(redesign.CELLS) else None
+        print(redesign.summary_markdown(cells, pilot))
+    elif a.design == "redesign-pilot":
+        print(f"positive control (R, lr): {redesign.run_pilot()}", file=sys.stderr)
+    else:
+        print(f"{redesign.run_study()} cells ran", file=sys.stderr)
 
 
 if __name__ == "__main__":
