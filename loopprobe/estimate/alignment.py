@@ -137,6 +137,7 @@ def visit_alignment(
     start: Any = None,
     each_visit: bool = False,
     warm_visits: bool | None = None,
+    narrow: bool = True,
 ) -> AlignmentReport:
     """kappa_j per sublayer and kappa_R = max_j, from G (one backward) and U (power iteration).
 
@@ -163,7 +164,9 @@ def visit_alignment(
     assumes, like every Krylov estimate, that the start vectors overlap the top singular
     vectors. A training monitor affords ``tol=1e-2`` (3-4x fewer products). ``warm_visits``:
     as in :func:`sensitivity_norms` (each visit from its sublayer's previous one, the tied
-    operator from its visits).
+    operator from its visits). ``narrow``: as in :func:`sensitivity_norms` (``False``: every
+    operator in one batch, each product over every visit: more arithmetic, fewer calls,
+    which is faster on small operators).
     Reference: seed 002, Eq. 12.
     """
     loss_fn = default_loss(loss_fn, "visit_alignment")
@@ -196,6 +199,7 @@ def visit_alignment(
         start=start,
         warm_visits=warm_visits,
         stop=rule,
+        narrow=narrow,
     )
     if sens.keys and sens.keys != keys:
         raise RuntimeError(f"visit_alignment: operator order {sens.keys} is not {keys}")

@@ -136,7 +136,7 @@ def _alignment_cell(c: dict) -> list[dict]:
     with loopprobe.attach(model) as probe:
         chk = bound_check(
             probe, idx, _lm_loss(targets), lr=c["lr"], max_iter=c["power_iters"],
-            tol=report_tol(model),
+            tol=report_tol(model), narrow=c["d_model"] >= NARROW_FROM_D,
         )  # fmt: skip
     rep = chk.report
     bound = {k: v for k, v in chk.to_dict().items()}
@@ -151,7 +151,14 @@ def _alignment_cell(c: dict) -> list[dict]:
     return rows
 
 
-_alignment_cell.version = f"{loopprobe.__version__}-3"  # kappa at report_tol
+_alignment_cell.version = f"{loopprobe.__version__}-4"  # kappa at report_tol, narrow by size
+
+#: Width from which the cells run κ's operators in groups by visit (``narrow``, the
+#: default); below it all in one batch, each product over every visit (``narrow=False``:
+#: the same certified bound, more arithmetic in fewer calls). Measured, one thread,
+#: LoopedGPT DeepLoop at the report's seq 16, batch 4: at d 32 one batch took 0.6x the CPU
+#: (R 4 and 8), at d 64 1.5-1.9x, at d 128 2.4-3.2x (benchmarks/bench_report_kappa.py).
+NARROW_FROM_D = 64
 
 
 def report_tol(model: torch.nn.Module) -> float | None:
