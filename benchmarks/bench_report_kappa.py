@@ -1,22 +1,29 @@
-"""The report's alignment cells alone: what κ costs at the bound the report asks (issue 29).
+"""The report's alignment cells alone: what κ costs at the bound the report asks.
 
 For each (norm, R) cell of the default ``loopprobe report`` (:class:`ReportConfig`
-defaults: d 32, K 2, R 1, 2, 4, 8, DeepNorm and DeepLoop, float32) this runs the cell's
-``bound_check`` three ways, one thread, CPU time (``time.process_time``):
+defaults: d 32, K 2, R 1, 2, 4, 8, DeepNorm and DeepLoop, float32; ``--d-model`` for other
+widths) this runs the cell's ``bound_check`` at the report's bound
+(:func:`~loopprobe.report.sections_alignment.report_tol`: the float32 default 1e-3) three
+ways, one thread, CPU time (``time.process_time``), best of ``--repeats``:
 
-- ``tol=1e-4``, the bound the report asked before issue 29's end (one call);
-- the report's bound now (:func:`~loopprobe.report.sections_alignment.report_tol`: the
-  float32 default 1e-3), cold starts, best of ``--repeats``;
-- the same with ``warm_visits=True``, best of ``--repeats``;
+- ``grouped``: the operators in groups by visit number (``narrow=True``, κ's default);
+- ``one batch``: every operator in one batch, each product over every visit
+  (``narrow=False``, what the report's cells use below
+  :data:`~loopprobe.report.sections_alignment.NARROW_FROM_D`);
+- ``warm``: grouped with ``warm_visits=True``;
 
-and prints κ, its error bound and whether it converged, then the sums over the cells.
+and prints per way the CPU-s, the operator products (Lanczos iterations summed over the
+visit and tied operators), κ's certified error bound and whether κ converged, then κ of
+each way and the sums over the cells. A warm-up cell runs first (imports, first vmap).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_report_kappa.py [--repeats 3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_report_kappa.py --d-model 64 --R 4,8
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -26,41 +33,57 @@ from loopprobe.estimate.bound import bound_check
 from loopprobe.report import sections_alignment as sa
 from loopprobe.report.config import ReportConfig
 
+WAYS = {
+    "grouped": {"narrow": True, "warm_visits": False},
+    "one batch": {"narrow": False, "warm_visits": False},
+    "warm": {"narrow": True, "warm_visits": True},
+}
 
-def run(model, cfg, tol, warm: bool, repeats: int) -> tuple[float, object]:
+
+def run(cfg: ReportConfig, norm: str, R: int, kw: dict, repeats: int) -> tuple[float, object]:
     idx, targets = sa._batch(cfg)
-    best, chk = float("inf"), None
+    best, rep = float("inf"), None
     for _ in range(repeats):
+        model = sa._gpt(cfg, K=cfg.K, R=R, norm=norm)
         with loopprobe.attach(model) as probe:
             t = time.process_time()
             chk = bound_check(probe, idx, sa._lm_loss(targets), lr=cfg.lr,
-                              max_iter=cfg.power_iters, tol=tol, warm_visits=warm)  # fmt: skip
+                              max_iter=cfg.power_iters, tol=sa.report_tol(model), **kw)  # fmt: skip
             best = min(best, time.process_time() - t)
-    return best, chk.report
+        rep = chk.report
+    return best, rep
+
+
+def products(rep) -> int:
+    s = rep.sensitivity
+    return sum(e.iterations for e in [*s.visit_norms, *s.tied_norms.values()])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--d-model", type=int, default=ReportConfig.d_model)
+    ap.add_argument("--R", default="", help="comma-separated R (default: the report's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = ReportConfig()
-    print(f"{'norm':>9} {'R':>2}  {'tol 1e-4: s, err, conv':>26}  {'report tol: s, err, conv':>26}"
-          f"  {'warm visits: s':>14}")  # fmt: skip
-    total = {"1e-4": 0.0, "report": 0.0, "warm": 0.0}
+    cfg = dataclasses.replace(ReportConfig(), d_model=args.d_model)
+    Rs = [int(r) for r in args.R.split(",")] if args.R else list(cfg.Rs)
+    run(cfg, cfg.norms[0], 2, {}, 1)  # warm-up: imports, the first vmap
+    print(f"d {cfg.d_model}; per way: CPU-s, products, κ error bound, converged")
+    total = {w: [0.0, 0] for w in WAYS}
     for norm in cfg.norms:
-        for R in cfg.Rs:
-            model = sa._gpt(cfg, K=cfg.K, R=R, norm=norm)
-            t4, r4 = run(model, cfg, 1e-4, False, 1)
-            tr, rr = run(model, cfg, sa.report_tol(model), False, args.repeats)
-            tw, _ = run(model, cfg, sa.report_tol(model), True, args.repeats)
-            total["1e-4"] += t4
-            total["report"] += tr
-            total["warm"] += tw
-            print(f"{norm:>9} {R:>2}  {t4:8.2f} {r4.kappa_err:8.2g} {r4.converged!s:>8}  "
-                  f"{tr:8.2f} {rr.kappa_err:8.2g} {rr.converged!s:>8}  {tw:14.2f}   "
-                  f"kappa {r4.kappa:.6f} / {rr.kappa:.6f}", flush=True)  # fmt: skip
-    print("sums, CPU-s: " + ", ".join(f"{k} {v:.1f}" for k, v in total.items()))
+        for R in Rs:
+            line, kappas = f"{norm:>9} R {R:>2}", []
+            for way, kw in WAYS.items():
+                t, rep = run(cfg, norm, R, kw, args.repeats)
+                n = products(rep)
+                total[way][0] += t
+                total[way][1] += n
+                kappas.append(f"{rep.kappa:.7f}")
+                line += f" | {way}: {t:6.2f} {n:4d} {rep.kappa_err:7.2g} {rep.converged!s:>5}"
+            print(f"{line} | kappa {' / '.join(kappas)}", flush=True)
+    sums = ", ".join(f"{w} {t:.2f}, {n}" for w, (t, n) in total.items())
+    print(f"sums (CPU-s, products): {sums}")
 
 
 if __name__ == "__main__":

@@ -155,9 +155,10 @@ _alignment_cell.version = f"{loopprobe.__version__}-4"  # kappa at report_tol, n
 
 #: Width from which the cells run κ's operators in groups by visit (``narrow``, the
 #: default); below it all in one batch, each product over every visit (``narrow=False``:
-#: the same certified bound, more arithmetic in fewer calls). Measured, one thread,
-#: LoopedGPT DeepLoop at the report's seq 16, batch 4: at d 32 one batch took 0.6x the CPU
-#: (R 4 and 8), at d 64 1.5-1.9x, at d 128 2.4-3.2x (benchmarks/bench_report_kappa.py).
+#: the same certified bound, more arithmetic in fewer calls). Measured, one thread, the
+#: report's cells (seq 16, batch 4; benchmarks/bench_report_kappa.py): at d 32 the eight
+#: cells took 8.2 CPU-s in one batch against 13.0 grouped and 9.8 grouped with warm visits;
+#: at d 64 (R 4, 8) 15.4 in one batch against 12.4 for the default there (grouped, warm).
 NARROW_FROM_D = 64
 
 
