@@ -36,8 +36,12 @@ SCOPES: list[tuple[str, str, str, str]] = [
     ("lr_transfer", "run 2: 1/√N moves the optimum 1.5", _LRT2,
      "a contrast interval that excludes -1.5 under the quartic vertex too: more seeds"),
     ("lr_transfer", "run 2", _LRT2, _LRT_DECIDE),
-    ("reachability", "redesign", _REACH_RD, "more runs per arm: at 10 the 95 % half-width is "
-     "about 0.15"),
+    ("reachability", "redesign: recall", _REACH_RD, "intervals about half as wide (0.25-0.40 "
+     "at 10 vs 10 runs; between-run sd 0.13-0.42): about 4x the runs per arm"),
+    ("reachability", "redesign: with outer norm on", _REACH_RD, "a verdict that survives 2x the "
+     "hard cap: more iterations for the slow misses, or more runs"),
+    ("reachability", "redesign", _REACH_RD, "more runs per arm: at 10 the intervals are "
+     "0.09 (accuracy) to 0.37 (reach) wide; about 4x the runs"),
     ("reachability", "64-input study", _REACH64, _REACH_DECIDE),
     ("reachability", "outer norm is what", _REACH + ", 24 runs; without the outer norm the "
      "pre-norm stream drifts linearly, so no weights reach a fixed point: holds by construction",

@@ -57,6 +57,13 @@ def test_the_outer_norm_verdict_is_undecided_when_wide_when_it_flips_or_with_few
     assert wide[outer_claim("add")].startswith("undecided (the interval [")
     flip = verdicts(runs(1.0, 0.0, post_2x=1.0))[outer_claim("internal")]
     assert flip == "undecided (flips with the cap: holds at it, fails at 2x)"
+    recall = "with outer norm on, recall does not change reachability"
+    fewer = runs(1.0, 0.0)
+    sel = fewer["norm"].eq("pre") & fewer["recall"].ne("none")
+    fewer.loc[sel, ["reach_frac", "reach_frac_2x"]] = 0.5  # recall - none = -0.5: fails ...
+    assert verdicts(fewer)[recall] == "fails"
+    fewer.loc[sel, "reach_frac_2x"] = 0.98  # ... unless it is inside +-0.1 at 2x the hard cap
+    assert verdicts(fewer)[recall] == "undecided (flips with the cap: fails at it, holds at 2x)"
     few = verdicts(runs(seeds=1))
     assert few[outer_claim("none")] == "undecided (2 runs, 4 needed)"
 

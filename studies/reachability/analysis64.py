@@ -57,7 +57,8 @@ def _side(lo: float, hi: float, holds_above: float, fails_below: float) -> str:
 def study_claims(runs: pd.DataFrame, *, n_boot: int = 2000) -> pd.DataFrame:
     """The pre-stated claims of the 64-input study, one row each: ``claim, runs, estimate,
     ci_low, ci_high, measured, expected, verdict`` (``holds`` / ``fails`` / ``undecided (why)``;
-    undecided whenever a group has fewer than ``MIN_RUNS`` runs)."""
+    undecided whenever a group has fewer than ``MIN_RUNS`` runs, or a reach-fraction verdict
+    changes when each miss is counted at 2x the hard cap, as registered)."""
     on, rows = runs["outer_norm"].astype(bool), []
 
     def row(claim, n, est, expected, verdict, measured=""):
@@ -82,17 +83,24 @@ def study_claims(runs: pd.DataFrame, *, n_boot: int = 2000) -> pd.DataFrame:
             f"mean reach fraction: interval above {STUDY_REACH:g} (fails below)", v,
             f"reach fraction {_mci(est)} over {len(sub)} runs x 64 inputs")  # fmt: skip
     by = ["task", "recall"]
-    est = boot_mean(_groups(runs[on], "reach_frac", by), _groups(runs[~on], "reach_frac", by),
-                    n_boot=n_boot) if on.any() and (~on).any() else (math.nan,) * 3  # fmt: skip
+
+    def contrast(a, b, judge):  # judged at the cap rule and, as registered, at 2x the hard cap
+        if not (len(a) and len(b)):
+            return (math.nan,) * 3, "undecided"
+        est, e2 = (boot_mean(_groups(a, c, by), _groups(b, c, by), n_boot=n_boot)
+                   for c in ("reach_frac", "reach_frac_2x"))  # fmt: skip
+        v, v2 = judge(*est[1:]), judge(*e2[1:])
+        return est, v if v2 == v or v == "undecided" else (
+            f"undecided (flips with the cap: {v} at it, {v2} at 2x)")  # fmt: skip
+
+    est, v = contrast(runs[on], runs[~on], lambda lo, hi: _side(lo, hi, 0.0, STUDY_OUTER))
     row("outer norm makes fixed points reachable", int(min(on.sum(), (~on).sum())), est,
-        f"on - off: interval above 0 (fails below {STUDY_OUTER:g})",
-        _side(est[1], est[2], 0.0, STUDY_OUTER), f"reach on - off {_mci(est)}")  # fmt: skip
+        f"on - off: interval above 0 (fails below {STUDY_OUTER:g})", v,
+        f"reach on - off {_mci(est)}")  # fmt: skip
     rec, none = runs[on & (runs["recall"] != "none")], runs[on & (runs["recall"] == "none")]
-    est = boot_mean(_groups(rec, "reach_frac", by), _groups(none, "reach_frac", by),
-                    n_boot=n_boot) if len(rec) and len(none) else (math.nan,) * 3  # fmt: skip
-    lo, hi = est[1], est[2]
-    v = "holds" if -STUDY_RECALL < lo and hi < STUDY_RECALL else (
-        "fails" if lo >= STUDY_RECALL or hi <= -STUDY_RECALL else "undecided")  # fmt: skip
+    est, v = contrast(rec, none, lambda lo, hi: "holds" if -STUDY_RECALL < lo and hi <
+                      STUDY_RECALL else "fails" if lo >= STUDY_RECALL or hi <= -STUDY_RECALL
+                      else "undecided")  # fmt: skip
     row("with outer norm on, recall does not change reachability", min(len(rec), len(none)),
         est, f"recall - none: interval inside ±{STUDY_RECALL:g} (fails outside it)", v,
         f"reach recall - none {_mci(est)}")  # fmt: skip

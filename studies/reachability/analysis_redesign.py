@@ -67,8 +67,8 @@ def outer_norm_claims(runs: pd.DataFrame, *, n_boot: int = 2000) -> list[dict]:
         if n < MIN_RUNS:
             v = f"undecided ({n} runs, {MIN_RUNS} needed)"
         elif v == "undecided":
-            v = (f"undecided (the interval [{est[1]:.2f}, {est[2]:.2f}] crosses ±{MARGIN:g} "
-                 f"or {MARGIN:g}; {n} vs {n} runs)")  # fmt: skip
+            v = (f"undecided (the interval [{est[1]:.2f}, {est[2]:.2f}] lies neither above "
+                 f"{MARGIN:g} nor inside ±{MARGIN:g}; {n} vs {n} runs)")  # fmt: skip
         rows.append({
             "claim": f"recall {recall}: the outer norm is what makes fixed points reachable",
             "runs": n, "estimate": est[0], "ci_low": est[1], "ci_high": est[2],
