@@ -157,6 +157,18 @@ def pilot_table(pilot: pd.DataFrame, floor: float | None = None) -> pd.DataFrame
                          "cpu_s_mean": g["cpu_s"].mean()}).reset_index()  # fmt: skip
 
 
+def pilot_signals(pilot: pd.DataFrame, floor: float | None = None) -> pd.DataFrame:
+    """Exploratory, decides nothing: per pilot cell, whether it collapsed, the first record
+    step where the per-layer oscillation diagnostic fired, and the share of record steps
+    (from step 10) where it was on."""
+    cells = grad_oscillation(pilot)
+    ev = study.events(cells, floor, signals={"grad_oscillation": "grad_osc"})
+    on = cells[cells["step"] >= WINDOW].groupby(KEY)["grad_osc"].apply(lambda v: (v > 0).mean())
+    ev = ev.merge(on.rename("share_on").reset_index(), on=KEY)
+    return ev[KEY + ["collapsed", "collapse_step", "final_loss", "fire_grad_oscillation",
+                     "share_on"]]  # fmt: skip
+
+
 def sign_flips(norms: np.ndarray) -> int:
     """How many consecutive pairs of step-to-step differences of ``norms`` change sign."""
     d = np.sign(np.diff(np.asarray(norms, dtype=float)))
@@ -208,6 +220,9 @@ def summary_markdown(cells: pd.DataFrame | None, pilot: pd.DataFrame,
     """The pilot's collapse table, the control, and (with study cells) every verdict."""
     floor = study.unigram_floor() if floor is None else floor
     out = ["### Pilot (LT only)", "", _common.md(pilot_table(pilot, floor)), ""]
+    sig = pilot_signals(pilot, floor)
+    out += ["Per-layer oscillation diagnostic in the pilot cells (exploratory):", "",
+            _common.md(sig), ""]  # fmt: skip
     control = choose_control(pilot, floor)
     if control is None:
         return "\n".join(out + ["no positive control within budget"])
