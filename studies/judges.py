@@ -150,7 +150,31 @@ def flt(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
         w = fl.warns(cells, s)
         out.append(_verdict("FLT", f"{s} fires before collapse", w["verdict"], w["reason"],
                             "flt.md"))  # fmt: skip
-    return [], out, []
+    return [], out + _flt_redesign(path.parent), []
+
+
+def _flt_redesign(folder: pathlib.Path) -> list[Verdict]:
+    """The redesign's rows (issue 39.6) once its pilot found a control and its 20 cells are in
+    (with no control its study is not run, as pre-registered: the first design's rows say so)."""
+    from studies.flt import redesign as rd
+
+    pilot_path, cells_path = folder / "flt_redesign_pilot.csv", folder / "flt_redesign.csv"
+    if not (pilot_path.exists() and cells_path.exists()):
+        return []
+    if rd.choose_control(pd.read_csv(pilot_path)) is None:
+        return []
+    cells = pd.read_csv(cells_path)
+    if cells.groupby(rd.KEY).ngroups < 2 * len(rd.SEEDS):
+        return []
+    j = rd.judge(cells)
+    a = j["avoids"]
+    out = [_verdict("FLT (redesign)", "avoids the looped transformer's collapse", a["verdict"],
+                    a["reason"], "flt.md")]  # fmt: skip
+    for s, w in j["warns"].items():
+        tag = "" if s in rd.PRIMARY else " (secondary)"
+        out.append(_verdict("FLT (redesign)", f"{s}{tag} fires before collapse", w["verdict"],
+                            w["reason"], "flt.md"))  # fmt: skip
+    return out
 
 
 #: study (its folder under studies/) -> (its cells in that folder, the function that judges them)

@@ -154,3 +154,24 @@ def test_a_real_cell_records_each_layer_gradient_norm_at_every_step(lp_one_threa
     assert [r["val_loss"] for r in bare] == [r["val_loss"] for r in rows]
     assert [r["gnorm_1"] for r in bare] == [r["gnorm_1"] for r in rows]
     assert "n_oscillating" not in bare[0] and "n_oscillating" in rows[0]
+
+
+def test_the_verdict_table_gets_redesign_rows_only_with_a_control_and_every_cell(tmp_path):
+    from studies import judges, scope
+
+    rng = np.random.default_rng(2)
+    cells = pd.concat([series_cell(arm, s, 1 + 0.1 * rng.random(300),
+                                   collapse=150 if arm == "lt" else None)
+                       for s in rd.SEEDS for arm in ("lt", "flt")], ignore_index=True)  # fmt: skip
+    pilot({(12, 3e-2): 3}).to_csv(tmp_path / "flt_redesign_pilot.csv", index=False)
+    cells[cells["seed"] < 109].to_csv(tmp_path / "flt_redesign.csv", index=False)
+    assert judges._flt_redesign(tmp_path) == []  # 18 of 20 cells: not judged yet
+    cells.to_csv(tmp_path / "flt_redesign.csv", index=False)
+    real_floor = rd.study.unigram_floor()  # the judge uses the val split's floor
+    assert abs(real_floor - FLOOR) < 0.01
+    rows = judges._flt_redesign(tmp_path)
+    assert [v.claim for v in rows][0] == "FLT (redesign): avoids the looped transformer's collapse"
+    assert rows[0].verdict == "holds" and len(rows) == 1 + len(rd.SIGNALS)
+    assert all("10 seeds" in scope.worded("flt", v).claim for v in rows)
+    pilot({(12, 3e-2): 2}).to_csv(tmp_path / "flt_redesign_pilot.csv", index=False)
+    assert judges._flt_redesign(tmp_path) == []  # no control: no study rows
