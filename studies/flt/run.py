@@ -17,6 +17,7 @@ cell and record step) is rewritten after every seed.
     python -m studies flt --analyze          # tables + figure from the CSV, seconds
     python -m studies flt --pilot --cache /work/cache/flt_pilot  # the pilot
     python -m studies flt --quick --cache /tmp/fltq --out /tmp/fltq.csv   # smoke
+    nice -n 19 python -m studies flt --design redesign-pilot   # issue 39.6 (redesign.py)
 
 One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 """
