@@ -38,9 +38,10 @@ import pandas as pd
 from studies.optimum import vertices
 
 __all__ = [
-    "BAND", "LEVEL", "MIN_SEEDS", "N_BOOT", "PREDICTED_L", "QUALIFY_ACC", "QUALIFY_NATS", "cube",
-    "claim", "estimate", "figure", "optimum", "pilot_figure", "pilot_markdown", "pilot_table",
-    "summary_markdown", "verdict",
+    "BAND", "LEVEL", "MIN_SEEDS", "N_BOOT", "PREDICTED_L", "QUALIFY_ACC", "QUALIFY_NATS",
+    "REDESIGN_ARMS", "REDESIGN_GRID", "REGISTERED_SEEDS", "claim", "complete_part", "cube",
+    "estimate", "figure", "intervals", "optimum", "pilot_figure", "pilot_markdown", "pilot_table",
+    "redesign_claim", "summary_markdown", "verdict",
 ]  # fmt: skip
 
 #: Pre-registered (docs/studies/lr_l.md)
@@ -226,6 +227,70 @@ def claim(pilot: pd.DataFrame, cells: pd.DataFrame | None = None) -> tuple[str, 
     if cells is None or cells.empty:
         return "undecided", "a pilot task qualified but no confirmatory cells were given"
     return verdict(estimate(cells))
+
+
+def intervals(est: dict) -> str:
+    """The contrasts of ``estimate`` as one line: ``name +x.xx [lo, hi]``, comma-separated."""
+    return ", ".join(f"{r.contrast} {r.estimate:+.2f} [{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+                     for r in est["contrasts"].itertuples())  # fmt: skip
+
+
+#: The redesign's registered seeds (100-103; docs/studies/lr_l.md, "Redesign")
+REGISTERED_SEEDS = 4
+
+
+#: The redesign's arms (L, N) and base grid (log2 lr, half octaves 2^-9 .. 2^-3)
+REDESIGN_ARMS = [(L, N) for L in (1, 2) for N in (1, 2, 4, 8)]
+REDESIGN_GRID = [k / 2 for k in range(-18, -5)]
+
+
+def complete_part(cells: pd.DataFrame) -> pd.DataFrame:
+    """The redesign's cells the estimator may use: the seeds that have every arm at every rate
+    of the base grid, on the rates (base or extension) that every such seed has for every arm.
+    A seed still running, or an extension rate not yet run for every complete seed, is left
+    out, never half-counted."""
+    need = {"L", "N", "lr", "seed", "loss"}
+    if missing := need - set(cells.columns):
+        raise ValueError(f"lr_l.complete_part: cells lack columns {sorted(missing)}")
+    x = np.round(np.log2(cells["lr"].astype(float)), 3)
+    have = set(zip(cells["seed"], cells["L"], cells["N"], x, strict=True))
+    per_seed = {}
+    for s in sorted(set(cells["seed"])):
+        rates = {xx for (ss, _, _, xx) in have if ss == s}
+        per_seed[s] = {xx for xx in rates if all((s, L, N, xx) in have for L, N in REDESIGN_ARMS)}
+    seeds = [s for s, r in per_seed.items() if set(REDESIGN_GRID) <= r]
+    if not seeds:
+        return cells.iloc[:0]
+    rates = set.intersection(*(per_seed[s] for s in seeds))
+    arms = set(REDESIGN_ARMS)
+    keep = (
+        cells["seed"].isin(seeds)
+        & x.isin(rates)
+        & np.array([(L, N) in arms for L, N in zip(cells["L"], cells["N"], strict=True)])
+    )
+    return cells[keep]
+
+
+def redesign_claim(cells: pd.DataFrame, chance: float = math.log(256)) -> tuple[str, str]:
+    """The redesign's verdict (no gate): the pre-registered rule on the complete seeds, and
+    "undecided (k of 4 seeds run)" while fewer than the registered seeds are complete (the
+    reason then gives what the rule says on those k, with their intervals). ``chance``: the
+    loss a non-finite cell counts as (a uniform byte for the text task)."""
+    cells = complete_part(cells)
+    k = cells["seed"].nunique()
+    if k == 0:
+        return f"undecided (0 of {REGISTERED_SEEDS} seeds run)", "no complete seed"
+    est = estimate(cells, chance)
+    v, why = verdict(est)
+    edge = est["optima"][est["optima"]["at_edge"]]
+    text = f"{intervals(est)} (octaves; seeds {est['seeds']})"
+    if len(edge):
+        text += "; optimum at the grid's edge: " + ", ".join(
+            f"L={r.L} N={r.N}" for r in edge.itertuples())  # fmt: skip
+    if k < REGISTERED_SEEDS:
+        return f"undecided ({k} of {REGISTERED_SEEDS} seeds run)", (
+            f"{text}; the rule on these {k} would give {v} ({why})")  # fmt: skip
+    return v, f"{text}; {why}"
 
 
 # ----------------------------------------------------------------------- task search
