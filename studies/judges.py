@@ -94,15 +94,20 @@ def lr_l(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
 
     pilot = pd.read_csv(path)
     study = path.with_name("lr_l_study.csv")
-    v, why = ll.claim(pilot, pd.read_csv(study) if study.exists() else None)
+    redesign = path.with_name("redesign.csv")  # issue 39.3: the grid without the gate
+    claim = "the optimum depends on L, not N, under 1/(N√L)"
     title = "LR vs L: task search (N = 8 must beat N = 1 first)"
-    return (
-        [(title, ll.pilot_table(pilot))],
-        [
-            _verdict("LR vs L", "the optimum depends on L, not N, under 1/(N√L)", v, why, "lr_l.md")
-        ],  # fmt: skip
-        [f"LR-vs-L task search: {pilot['cpu_s'].sum() / 60:.1f} CPU-min"],
-    )
+    notes = [f"LR-vs-L task search: {pilot['cpu_s'].sum() / 60:.1f} CPU-min"]
+    if redesign.exists():
+        cells = pd.read_csv(redesign)
+        v, why = ll.redesign_claim(cells)
+        notes.append(f"LR-vs-L redesign: {len(cells)} cells, {cells['cpu_s'].sum() / 60:.1f} "
+                     "CPU-min")  # fmt: skip
+        out = _verdict("LR vs L (redesign, no gate)", claim, v, why, "lr_l.md")
+    else:
+        v, why = ll.claim(pilot, pd.read_csv(study) if study.exists() else None)
+        out = _verdict("LR vs L", claim, v, why, "lr_l.md")
+    return [(title, ll.pilot_table(pilot))], [out], notes
 
 
 def finite_step(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:

@@ -113,3 +113,27 @@ def test_a_non_finite_loss_counts_as_a_uniform_byte():
     assert (abs(opt.loc[1, 8] + 6.0) > 0.2) and (abs(opt.loc[1, 4] + 6.0) > 0.2)
     with pytest.raises(ValueError):
         lr_l.redesign_claim(cells.drop(columns=["loss"]))
+
+
+def test_the_judge_uses_the_redesign_once_its_cells_exist(tmp_path):
+    from loopprobe.report.verdicts import HOLDS, UNKNOWN
+    from studies import judges
+
+    pilot = tmp_path / "lr_l" / "lr_l_pilot.csv"
+    pilot.parent.mkdir()
+    pilot.write_text(open(lr_l_pilot_csv()).read())
+    (v,) = judges.lr_l(pilot)[1]
+    assert v.claim.startswith("LR vs L: ") and v.verdict == UNKNOWN
+    planted_cells(loop_mup).assign(cpu_s=1.0).to_csv(pilot.with_name("redesign.csv"), index=False)
+    (v,) = judges.lr_l(pilot)[1]
+    assert v.claim.startswith("LR vs L (redesign, no gate): ") and v.verdict == HOLDS
+    one = planted_cells(loop_mup, seeds=[100]).assign(cpu_s=1.0)
+    one.to_csv(pilot.with_name("redesign.csv"), index=False)
+    (v,) = judges.lr_l(pilot)[1]
+    assert v.verdict == UNKNOWN and v.why == "undecided (1 of 4 seeds run)"
+
+
+def lr_l_pilot_csv() -> str:
+    from studies.lr_l.run import PILOT_CSV
+
+    return PILOT_CSV
