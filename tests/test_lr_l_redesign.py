@@ -131,6 +131,7 @@ def test_the_judge_uses_the_redesign_once_its_cells_exist(tmp_path):
     one.to_csv(pilot.with_name("redesign.csv"), index=False)
     (v,) = judges.lr_l(pilot)[1]
     assert v.verdict == UNKNOWN and v.why == "undecided (1 of 4 seeds run)"
+    assert "seed 100 only, no interval" in v.measured and "[" not in v.measured
 
 
 def lr_l_pilot_csv() -> str:

@@ -283,7 +283,11 @@ def redesign_claim(cells: pd.DataFrame, chance: float = math.log(256)) -> tuple[
     est = estimate(cells, chance)
     v, why = verdict(est)
     edge = est["optima"][est["optima"]["at_edge"]]
-    text = f"{intervals(est)} (octaves; seeds {est['seeds']})"
+    if k == 1:  # a bootstrap over one seed has no spread: point estimates only
+        text = ", ".join(f"{r.contrast} {r.estimate:+.2f}" for r in est["contrasts"].itertuples())
+        text += f" (octaves; seed {est['seeds'][0]} only, no interval)"
+    else:
+        text = f"{intervals(est)} (octaves; seeds {est['seeds']})"
     if len(edge):
         text += "; optimum at the grid's edge: " + ", ".join(
             f"L={r.L} N={r.N}" for r in edge.itertuples())  # fmt: skip

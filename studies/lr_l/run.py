@@ -14,6 +14,7 @@ and the data order (paired across arms). Cells are cached one by one with lp.swe
     python -m studies lr_l --analyze        # table, verdict, figure from the CSV, seconds
     python -m studies lr_l --pilot NAME     # one exploratory pilot block (PILOTS below)
     python -m studies lr_l --quick --cache /tmp/llq --out /tmp/llq.csv   # smoke test
+    nice -n 19 python -m studies.lr_l.redesign   # the redesign without the gate (redesign.py)
 
 One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 """
@@ -21,6 +22,7 @@ One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -36,6 +38,8 @@ from studies import _common
 from studies.lr_l import analysis as lr_l
 
 PILOT_CSV = _common.here(__file__, "lr_l_pilot.csv")
+REDESIGN_CSV = _common.here(__file__, "redesign.csv")
+REDESIGN_FIGURE = _common.figure("lr_l_redesign.png")
 BASE = {"task": "chase", "m": 8, "hops": 3, "d": 32, "heads": 4, "batch": 32, "eval_batches": 8}
 
 
@@ -151,6 +155,17 @@ def report(out: str, figure: str) -> None:
         print(f"\nno study cells ({out}): verdict undecided (no task qualified)")
         lr_l.pilot_figure(pilot, figure)
     print(f"figure: {figure}")
+    if os.path.exists(REDESIGN_CSV):  # issue 39.3: the grid without the gate
+        cells = pd.read_csv(REDESIGN_CSV)
+        part = lr_l.complete_part(cells)
+        print(f"\n### Redesign (no gate): {len(cells)} cells, {cells['cpu_s'].sum() / 60:.1f} "
+              f"CPU-min; {part['seed'].nunique()} complete seeds\n")  # fmt: skip
+        if len(part):
+            print(lr_l.summary_markdown(part, math.log(256)))
+            lr_l.figure(part, REDESIGN_FIGURE)
+            print(f"figure: {REDESIGN_FIGURE}")
+        v, why = lr_l.redesign_claim(cells)
+        print(f"\nRedesign verdict: **{v}** ({why})")
 
 
 def main(argv: list[str] | None = None) -> None:
