@@ -1,0 +1,122 @@
+"""How often kappa comes back converged with an interval that misses the exact kappa, on
+models whose operators have a cluster of nearly equal top singular values.
+
+The family of ``tests/test_kappa_err.py``'s cluster test, widened: small steps
+``x + eps W x`` (eps 1e-6, d 8, float64), as ``lp.models.LinearLoop`` and as a plain module
+written the way third-party code is, R in {2, 3, 4, 5, 6, 8}, three seeds each (36 models).
+Each visit ``U_r`` then has d top singular values split by ~1e-6 relative, the width of
+the float64 default bound: a Krylov run can settle inside the cluster and certify a lower
+member (the caveat of :func:`loopprobe.linalg.norm_bounds`), which only the cluster
+cross-check (``repair_tops``) can catch. The exact kappa comes from dense Jacobians of an
+untied twin. A stopping rule that stops earlier saves products and gives that
+cross-check less to see: run a candidate against ``--base`` (a ``git worktree`` of the
+tree before it) with cold and with warm starts (``warm_visits``, the default from
+``WARM_VISITS_N`` parameters on, which these small models are below).
+
+    git worktree add /tmp/base HEAD
+    nice -n 19 .venv/bin/python benchmarks/bench_kappa_clusters.py --base /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+WORKER = r"""
+import json, sys
+import torch
+from torch.func import jacrev
+import loopprobe as lp
+from loopprobe.models import LinearLoop, LinearLoopConfig
+torch.set_num_threads(1)
+warm = sys.argv[1] == "warm"
+
+class SmallSteps(torch.nn.Module):
+    def __init__(self, R, eps=1e-6):
+        super().__init__()
+        self.R, self.eps = R, eps
+        self.W = torch.nn.Linear(8, 8, bias=False)
+    def forward(self, x):
+        for _ in range(self.R):
+            x = x + self.eps * self.W(x)
+        return x
+
+def top_sv(A):
+    return float(torch.linalg.matrix_norm(A, ord=2))
+
+rows = []
+for R in (2, 3, 4, 5, 6, 8):
+    for kind in ("lp", "plain"):
+        for seed in (0, 1, 2):
+            d, eps = 8, 1e-6
+            if kind == "lp":
+                gen = torch.Generator().manual_seed(R + 100 * seed)
+                model = LinearLoop(LinearLoopConfig(d=d, R=R, eps=eps), generator=gen).double()
+            else:
+                torch.manual_seed(R + 100 * seed)
+                model = SmallSteps(R).double()
+            x = torch.randn(3, d, generator=torch.Generator().manual_seed(7 + seed),
+                            dtype=torch.float64)
+            y = torch.randn(x.shape, generator=torch.Generator().manual_seed(11 + seed),
+                            dtype=torch.float64)
+            W = model.W.weight.detach()
+            def untied(Ws):
+                h = x
+                for r in range(R):
+                    h = h + eps * h @ Ws[r].T
+                return h.reshape(-1)
+            J = jacrev(untied)(W.expand(R, d, d).clone())
+            Us = [J[:, r].reshape(J.shape[0], -1) for r in range(R)]
+            Gs = [U.t() @ (untied(W.expand(R, d, d)) - y.reshape(-1)) for U in Us]
+            exact = top_sv(sum(Us)) * float(sum(Gs).norm())
+            exact /= R * max(top_sv(U) for U in Us) * max(float(g.norm()) for g in Gs)
+            rep = lp.visit_alignment(
+                lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
+                method="lanczos", max_iter=30, warm_visits=warm)
+            s = rep.sensitivity
+            its = sum(e.iterations for e in s.visit_norms)
+            its += sum(e.iterations for e in s.tied_norms.values())
+            inside = bool(rep.kappa_lo <= exact <= rep.kappa_hi)
+            rows.append({"R": R, "kind": kind, "seed": seed, "converged": bool(rep.converged),
+                         "inside": inside, "products": its,
+                         "miss": max(rep.kappa_lo - exact, exact - rep.kappa_hi, 0.0)})
+print(json.dumps(rows))
+"""
+
+
+def run(tree: str, mode: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-c", WORKER, mode]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tree)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="/tmp/base", help="the 'before' tree")
+    ap.add_argument("--cases", default="before,after", help="which trees: before, after")
+    ap.add_argument("--modes", default="cold,warm", help="start modes: cold, warm")
+    args = ap.parse_args()
+    trees = [t for t in [("before", args.base), ("after", ROOT)] if t[0] in args.cases]
+    print(f"{'case':>7} {'starts':>6} {'wrong and converged':>20} {'converged':>9} "
+          f"{'products':>8}  wrong (R, kind, seed: how far outside)")  # fmt: skip
+    for label, tree in trees:
+        for mode in args.modes.split(","):
+            rows = run(tree, mode)
+            wrong = [r for r in rows if r["converged"] and not r["inside"]]
+            conv = sum(r["converged"] for r in rows)
+            text = ", ".join(f"{r['R']} {r['kind']} {r['seed']}: {r['miss']:.1e}" for r in wrong)
+            print(f"{label:>7} {mode:>6} {len(wrong):>13} of {len(rows):<4} {conv:>9} "
+                  f"{sum(r['products'] for r in rows):>8}  {text}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
