@@ -22,6 +22,7 @@ PACKAGE = pathlib.Path(loopprobe.__file__).parent
 #: (and an error under ``-W error``). A new call site needs a decision recorded here.
 DECIDED_WARNINGS = {
     "loopprobe": 1,  # lp.<ResultType> moved to lp.results: DeprecationWarning, Python's way
+    "loopprobe.integrations": 1,  # the trainer's optimizer has no per-visit rule: G is raw
     "loopprobe.distributed": 1,  # a torch.compile'd model: its eager module is what is measured
     "loopprobe.monitor.monitor": 2,  # a sink's / a diagnostic's failure: rows missing from the run
     "loopprobe.record.discover": 1,  # discovery fell back untracked: roles unknown (all 'body')
