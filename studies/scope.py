@@ -72,10 +72,10 @@ SCOPES: list[tuple[str, str, str, str]] = [
      "rates every seed ran (octave grid 2^-7 .. 2^0)", ""),
     ("lr_edge", "", _EDGE, "an edge defined by instability during training, not by the floor"),
     ("lr_l", "LR vs L (redesign", "pre-norm LoopedGPT, eps = 1/(N sqrt L), d 32, L 1-2 x N 1-8, "
-     "byte-level text, 200 AdamW steps, clip 1, half-octave lr grid 2^-9 .. 2^-3; the seeds "
-     "complete of 100-103 (the verdict says how many)", "the 4 registered seeds complete "
-     "(python -m studies.lr_l.redesign resumes from the committed cells); if an optimum's sd is "
-     "0.5 octave, 4 seeds give a drift interval about +-0.7 wide, so holds may need more seeds"),
+     "byte-level text, 200 AdamW steps, clip 1, half-octave lr grid 2^-9 .. 2^-3, 4 seeds",
+     "drift intervals narrower than the 1-octave band (at 4 seeds they are 3.4 and 4.0 octaves "
+     "wide; one seed's optimum moves by about 0.9 octave): about 16x the seeds, or a budget "
+     "where the loss against lr is less flat near its optimum"),
     ("lr_l", "", "pilot task search only, d 32, <= 2000 steps, 1 seed",
      "the grid without the gate: L in {1, 2} x N in {1, 2, 4, 8}, half-octave lr grid, >= 4 "
      "seeds (pre-registered in docs/studies/lr_l.md)"),

@@ -182,7 +182,8 @@ def summary_markdown(cells: pd.DataFrame, chance: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def figure(cells: pd.DataFrame, path: str | None = None):
+def figure(cells: pd.DataFrame, path: str | None = None,
+           ylabel: str = "held-out loss (answer token)"):  # fmt: skip
     """Seed-mean held-out loss against log2 lr, a line per N, a panel per (d, L); the optimum
     of each arm marked. Returns the Figure (saved to ``path`` when given)."""
     import matplotlib
@@ -204,7 +205,7 @@ def figure(cells: pd.DataFrame, path: str | None = None):
             ax.axvline(r.opt_log2_lr, color=plt.cm.viridis(math.log2(r.N) / 3), ls=":", lw=1)
         ax.set_title(f"d = {d}, L = {L} (eps = 1/(N sqrt L))")
         ax.set_xlabel("log2 lr")
-        ax.set_ylabel("held-out loss (answer token)")
+        ax.set_ylabel(ylabel)
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=120)

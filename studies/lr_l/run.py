@@ -162,7 +162,7 @@ def report(out: str, figure: str) -> None:
               f"CPU-min; {part['seed'].nunique()} complete seeds\n")  # fmt: skip
         if len(part):
             print(lr_l.summary_markdown(part, math.log(256)))
-            lr_l.figure(part, REDESIGN_FIGURE)
+            lr_l.figure(part, REDESIGN_FIGURE, ylabel="held-out loss (next byte)")
             print(f"figure: {REDESIGN_FIGURE}")
         v, why = lr_l.redesign_claim(cells)
         print(f"\nRedesign verdict: **{v}** ({why})")
