@@ -35,6 +35,7 @@ import torch
 from loopprobe._html import HTMLView
 from loopprobe._memory import auto_chunk_size
 from loopprobe.differentiate.jacobian import VisitJacobian
+from loopprobe.estimate.sensitivity_clusters import clustered_tops, second_starts
 from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: public here too
     WARM_VISITS_N,
     RunContext,
@@ -280,8 +281,22 @@ def sensitivity_norms(
     for phase in phases:  # each from the top vectors of the phases before it
         _warm_start(phase, visits, keys, found, vectors, v0)
         found.update(zip(phase, run(phase), strict=True))
-    check = partial(beaten, jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks)
-    left = repair_tops(run, v0, vectors, found, check)
+    again = torch.Generator(device=gen.device).manual_seed(gen.initial_seed() + 1)
+    n_of = [jac.n[ks[0]] for ks in ops]
+    tops = clustered_tops(jac, masks, visits, keys, vectors, found, low, chunk_size, ranks)
+    second_starts(run, v0, vectors, found, tops, n_of, again, ranks)
+    near = {visits[b].j for b in tops}  # sublayers with a cluster seen: neighbours too
+    check = partial(beaten, jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near)
+
+    def unmet() -> list[int]:  # operators the stopping rule would not stop now
+        if stop is None:
+            return []
+        sigma = torch.tensor([found[b].value for b in range(len(ops))], dtype=torch.float64)
+        res = torch.tensor([found[b].residual for b in range(len(ops))], dtype=torch.float64)
+        may = stop(torch.arange(len(ops)), sigma, res)
+        return [b for b in range(len(ops)) if not bool(may[b])]
+
+    left = repair_tops(run, v0, vectors, found, check, unmet)
 
     def label(b: int) -> str:  # visit operators come first, in the order of ``visits``
         if keys[b][0] == "visit":

@@ -188,7 +188,7 @@ def rounding_slack(eps: float) -> float:
     return max(ROUNDOFF_EPS * eps, eps**0.5)
 
 
-def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks) -> dict:
+def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near=()) -> dict:
     """Operators that missed their top singular value, seen from the others' top vectors.
 
     A Krylov run settles on *a* singular value (its residual certificate says which is
@@ -197,7 +197,11 @@ def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks) -> 
     split by ``eps``) hides the top one from a single start for many iterations. Within a
     sublayer with a tied operator the other operators' top vectors are starts of their own:
     the tied operator is applied to each visit's vector and each visit to the tied one's
-    (``2 R_j`` JVPs, one batched call), and an operator A whose ``||A v||`` on such a vector v
+    (``2 R_j`` JVPs, one batched call), in the sublayers ``near`` (a cluster seen,
+    :func:`~loopprobe.estimate.sensitivity_clusters.clustered_tops`) also each visit to its
+    neighbouring visits' (``2 R_j - 2`` more; without them R 3 ``LinearLoop`` seed 1 of
+    ``benchmarks/bench_kappa_clusters.py`` came back converged outside its interval), and
+    an operator A whose ``||A v||`` on such a vector v
     exceeds its own certified upper end (:func:`~loopprobe.linalg.norm_bounds`, with
     :func:`rounding_slack`) missed its top. Returns ``{b: c}``: operator b is beaten most
     by operator c's vector."""
@@ -205,10 +209,15 @@ def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks) -> 
     for t, key in enumerate(keys):
         if key[0] != "tied":
             continue
-        for b, k in enumerate(keys):
-            if k[0] == "visit" and visits[b].j == key[1]:
-                rows += [t, b]
-                cols += [b, t]
+        mine = [b for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]]
+        for b in mine:
+            rows += [t, b]
+            cols += [b, t]
+        mine.sort(key=lambda b: visits[b].r)
+        pairs = zip(mine[:-1], mine[1:], strict=True) if key[1] in near else []
+        for a, b in pairs:  # neighbouring visits, each to the other's vector
+            rows += [a, b]
+            cols += [b, a]
     if not rows:
         return {}
     V = vectors[cols]
@@ -223,29 +232,40 @@ def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks) -> 
     return {b: c for b, (_, c) in out.items()}
 
 
-def repair_tops(run, v0, vectors, found, check) -> list[int]:
+def repair_tops(run, v0, vectors, found, check, unmet=None) -> list[int]:
     """Restart every operator :func:`beaten` (``check()``) from the vector that beat it, up
     to ``REPAIR_ROUNDS`` times, keeping the better estimate (the larger Ritz value: every
     Ritz value is a lower bound of the top singular value). Started from that vector its
     Krylov space holds it, so its new estimate is at least the ``||A v||`` that beat it.
-    Returns the operators (positions) still beaten after the last round (``[]``: none)."""
+    After each restart, the operators whose stopping rule no longer holds (``unmet()``:
+    the repaired upper end can widen kappa's interval, and a tied operator stopped against
+    the wrong one) resume from their top vectors. Returns the operators (positions) still
+    beaten after the last round (``[]``: none)."""
     worse = check()
     for _ in range(REPAIR_ROUNDS):
         if not worse:
             return []
         rows = sorted(worse)
-        starts = vectors[[worse[b] for b in rows]].clone()
-        old = {b: (found[b], vectors[b].clone()) for b in rows}
-        for b, start in zip(rows, starts, strict=True):
-            v0[b] = start
-        for b, est in zip(rows, run(rows), strict=True):
-            prev, vec = old[b]
-            if est.value < prev.value:
-                est = prev
-                vectors[b] = vec
-            found[b] = replace(est, iterations=prev.iterations + est.iterations)
+        _rerun(run, v0, vectors, found, rows, vectors[[worse[b] for b in rows]].clone())
+        rows = unmet() if unmet is not None else []
+        if rows:  # from its own vector: its new Ritz value is at least the old one
+            _rerun(run, v0, vectors, found, rows, vectors[rows].clone(), better=False)
         worse = check()
     return sorted(worse)
+
+
+def _rerun(run, v0, vectors, found, rows, starts, better=True) -> None:
+    """Run the operators ``rows`` again from ``starts``, keeping each one's better estimate
+    (and its vector; ``better=False``: the new one), with the iterations of both runs."""
+    old = {b: (found[b], vectors[b].clone()) for b in rows}
+    for b, start in zip(rows, starts, strict=True):
+        v0[b] = start
+    for b, est in zip(rows, run(rows), strict=True):
+        prev, vec = old[b]
+        if better and est.value < prev.value:
+            est = prev
+            vectors[b] = vec
+        found[b] = replace(est, iterations=prev.iterations + est.iterations)
 
 
 def missed_note(names: list[str]) -> list[str]:
