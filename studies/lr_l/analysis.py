@@ -4,6 +4,8 @@ The training runs live in ``studies/lr_l/run.py`` (CPU time, outside CI); its ce
 d, L, N, lr, seed) would be committed as ``studies/lr_l/lr_l_study.csv``. This module holds the
 estimator and the criteria fixed in ``docs/studies/lr_l.md`` before any confirmatory cell, and
 the task search's table (``pilot_table``): no pilot task qualified, so ``claim`` is undecided.
+The redesign without the gate (``studies/lr_l/redesign.py``, cells in ``redesign.csv``) is
+judged by ``redesign_claim``: the same estimator and rule on its complete seeds.
 
 Claim (seed 004, Loop-muP; PAPERS.md §2b): with eps = lambda / (N sqrt(L)) the optimal learning
 rate depends on the number of unique layers L and not on the loop count N; the looped stack's

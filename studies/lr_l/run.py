@@ -1,7 +1,8 @@
 """The optimal learning rate against unique layers L and loops N under Loop-muP (issue 30.2 part 2).
 
 Design and criteria fixed in docs/studies/lr_l.md before any confirmatory cell; none has run,
-because the pilot's task search (--pilot a .. f) found no task where N = 8 beats N = 1.
+because the pilot's task search (--pilot a .. f) found no task where N = 8 beats N = 1; the
+redesign without that gate (issue 39.3) has its own driver, studies/lr_l/redesign.py.
 Pre-norm LoopedGPT, K = L unique blocks looped N times, residual "loop-mup"
 (eps = 1 / (N sqrt(L))), on k-hop pointer chasing (lp.tasks.pointer_chasing: loss and accuracy
 on the answer at the last position only). Every (d, L, N, lr, seed) cell trains a fresh model
