@@ -16,6 +16,7 @@ every seed.
     python -m studies lr_edge --pilot --steps 200 --seeds 1 --lrs ... --out ...  # 200 st
     python -m studies lr_edge --task-pilot --cache /work/cache/lr_edge_t2pilot  # part 2
     python -m studies lr_edge --quick --cache /tmp/leq --out /tmp/leq.csv  # smoke
+    nice -n 19 python -m studies lr_edge --design redesign   # the redesign (redesign.py)
 
 One torch thread; CPU seconds per cell are in the ``cpu_s`` column.
 """
@@ -140,7 +141,16 @@ def main(argv: list[str] | None = None) -> None:
         action="store_false",
         help="skip the half-octave refinement of each edge bracket",
     )
+    ap.add_argument("--design", choices=("redesign",),
+                    help="the redesign without clipping (studies/lr_edge/redesign.py)")
+    ap.add_argument("--stop-at", help="with --design: UTC HH:MM, start no cell after it")
+    ap.add_argument("--plan", action="store_true", help="with --design: the cells still to run")
     a = _common.apply_design(ap.parse_args(argv), STUDY, PILOT)
+    if a.design == "redesign" and not a.analyze:
+        from studies.lr_edge import redesign
+
+        redesign.run(a.stop_at, a.plan)
+        return
     if a.analyze:
         report(pd.read_csv(a.out), a.figure, TASKS_CSV)
         return
