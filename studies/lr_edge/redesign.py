@@ -124,8 +124,13 @@ def step_cell(cfg: dict) -> dict:
     def rms(t: torch.Tensor) -> float:
         return float(t.pow(2).mean(-1).sqrt().mean())
 
-    return {"eps": float(model.cfg.eps), "dh": rms(h1 - h0), "dh_loop": rms(h1 - e1 - h0 + e0),
-            "h_rms": rms(h0), "cpu_s": round(time.process_time() - cpu0, 3)}
+    return {
+        "eps": float(model.cfg.eps),
+        "dh": rms(h1 - h0),
+        "dh_loop": rms(h1 - e1 - h0 + e0),
+        "h_rms": rms(h0),
+        "cpu_s": round(time.process_time() - cpu0, 3),
+    }
 
 
 def cells_of(seed: int) -> list[dict]:
@@ -136,8 +141,9 @@ def load(path: str) -> pd.DataFrame:
     return pd.read_csv(path) if os.path.exists(path) else pd.DataFrame(columns=KEY)
 
 
-def todo(done: pd.DataFrame, seeds=SEEDS) -> list[dict]:
-    """Every cell of ``seeds`` not in ``done``, seed-major."""
+def todo(done: pd.DataFrame, seeds=None) -> list[dict]:
+    """Every cell of ``seeds`` (default ``SEEDS``) not in ``done``, seed-major."""
+    seeds = SEEDS if seeds is None else seeds
     have = {(r.scaling, int(r.N), float(r.lr), int(r.seed)) for r in done.itertuples()}
     return [c for s in seeds for c in cells_of(s)
             if (c["scaling"], c["N"], c["lr"], c["seed"]) not in have]  # fmt: skip
