@@ -7,10 +7,11 @@ written the way third-party code is, R in {2, 3, 4, 5, 6, 8}, three seeds each (
 Each visit ``U_r`` then has d top singular values split by ~1e-6 relative, the width of
 the float64 default bound: a Krylov run can settle inside the cluster and certify a lower
 member (the caveat of :func:`loopprobe.linalg.norm_bounds`), which only the cluster
-cross-check (``repair_tops``) can catch. The exact kappa comes from dense Jacobians of an
-untied twin. A stopping rule that stops earlier saves products and gives that
-cross-check less to see: run a candidate against ``--base`` (a ``git worktree`` of the
-tree before it) with cold and with warm starts (``warm_visits``, the default from
+safeguards can catch (the cross-check ``repair_tops``, and the second start of a largest
+visit whose top is seen to be clustered, ``sensitivity_clusters``). The exact kappa comes
+from dense Jacobians of an untied twin. A stopping rule that stops earlier saves products
+and gives that cross-check less to see: run a candidate against ``--base`` (a ``git
+worktree`` of the tree before it) with cold and with warm starts (``warm_visits``, the default from
 ``WARM_VISITS_N`` parameters on, which these small models are below).
 
     git worktree add /tmp/base HEAD
