@@ -78,12 +78,15 @@ def lr_edge(path: pathlib.Path) -> tuple[list, list[Verdict], list[str]]:
     v, why = le.verdict(e, s)
     tables = [("LR edge: slope of log2 η_edge on log2 N (95 % t over seeds)", s)]
     from studies.lr_edge.posthoc import posthoc_verdicts
+    from studies.lr_edge.redesign_analysis import redesign_verdicts  # issue 39.2
 
+    more, redesign_notes = redesign_verdicts(path.parent)
     return (
         tables,
         [_verdict("LR edge", "slope −½ under 1/√N, 0 under 1/N", v, why, "lr_edge.md")]
-        + posthoc_verdicts(cells),
-        [f"LR-edge study: {cells.seed.nunique()} seeds"],
+        + posthoc_verdicts(cells)
+        + [_verdict("LR edge (redesign)", c, rv, m, "lr_edge.md") for c, rv, m in more],
+        [f"LR-edge study: {cells.seed.nunique()} seeds"] + redesign_notes,
     )
 
 

@@ -65,6 +65,11 @@ SCOPES: list[tuple[str, str, str, str]] = [
      "the redesign's cells complete (docs/studies/deeploop.md)"),
     ("deeploop", "", _DL,
      "each arm at its own tuned lr, >= 6 seeds (the redesign in docs/studies/deeploop.md)"),
+    ("lr_edge", "LR edge (redesign)", "pre-norm LoopedGPT d 32, K 1, N 1-16, 200 steps, no "
+     "clipping, unstable = non-finite or a 0.5-nat rise of the 10-step mean training loss, "
+     "half-octave lr grid 2^-7 .. 2^1, the complete seeds of 100-105 (count in the measured "
+     "text)", "the rest of the pre-registered seeds (resumable: python -m studies lr_edge "
+     "--design redesign), then both intervals narrower than 1/2"),
     ("lr_edge", "LR edge (post hoc", _EDGE.replace(", failure = ending within 0.1 nats of the "
      "unigram floor", ""), "a pre-registered run with failure defined by instability during "
      "training (docs/studies/lr_edge.md, Redesign)"),

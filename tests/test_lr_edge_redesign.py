@@ -184,3 +184,15 @@ def test_train_cell_rise_and_resume(tmp_path, monkeypatch):
     calls.clear()
     drv.run(out=a, step_out=b)
     assert calls == []
+
+
+def test_redesign_verdicts_for_the_judge(tmp_path):
+    cells = planted([100, 101, 102, 103, 104], law(-0.5, 0.0))
+    cells = cells.drop(cells.index[cells["seed"] == 104][:3])  # seed 104 still running
+    cells.to_csv(tmp_path / "redesign.csv", index=False)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    ((claim, v, measured),) = rows
+    assert claim == ra.CLAIM and v == "holds" and "complete seeds 4 of 6" in measured
+    assert "4 complete seeds" in notes[0]
+    cells[cells["seed"] < 103].to_csv(tmp_path / "redesign.csv", index=False)
+    assert ra.redesign_verdicts(tmp_path)[0][0][1] == "undecided (3 of 6 seeds run)"

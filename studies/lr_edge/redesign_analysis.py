@@ -166,3 +166,31 @@ def summary_markdown(cells: pd.DataFrame | None, step: pd.DataFrame | None) -> s
             out += ["Slopes on the complete seeds:", "", _md(s), ""]
         out += [f"- **verdict: {v}** ({why})"]  # fmt: skip
     return "\n".join(out)
+
+
+CLAIM = "slope −½ under 1/√N, 0 under 1/N, edge = instability during training"
+
+
+def redesign_verdicts(folder) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """The judge's rows from ``folder``'s ``redesign.csv`` / ``redesign_step.csv``: [(claim,
+    verdict, measured)] and notes (the one-step secondary is a note: no verdict registered)."""
+    import os
+
+    out, notes = [], []
+    path, step_path = (
+        os.path.join(folder, "redesign.csv"),
+        os.path.join(folder, "redesign_step.csv"),
+    )
+    if os.path.exists(path):
+        cells = pd.read_csv(path)
+        v, why, _ = verdict(cells)
+        k = len(complete_seeds(cells))
+        out.append((CLAIM, v, f"{why} [complete seeds {k} of {N_PLANNED}]"))
+        notes.append(f"LR-edge redesign: {len(cells)} cells, {cells['cpu_s'].sum() / 60:.1f} "
+                     f"CPU-min, {k} complete seeds")  # fmt: skip
+    if os.path.exists(step_path):
+        s = step_slopes(pd.read_csv(step_path))
+        notes.append(f"LR-edge redesign, one AdamW step: slope of log2 d^-1/2||Δh_N|| on "
+                     f"log2(η ε N) {s['slope']:+.3f} [{s['ci_low']:+.3f}, {s['ci_high']:+.3f}] "
+                     f"over {s['n_seeds']} seeds")  # fmt: skip
+    return out, notes
