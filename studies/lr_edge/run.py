@@ -152,7 +152,14 @@ def main(argv: list[str] | None = None) -> None:
         redesign.run(a.stop_at, a.plan)
         return
     if a.analyze:
-        report(pd.read_csv(a.out), a.figure, TASKS_CSV)
+        if a.design != "redesign":
+            report(pd.read_csv(a.out), a.figure, TASKS_CSV)
+        from studies.lr_edge import redesign, redesign_analysis
+
+        if os.path.exists(redesign.CSV) or os.path.exists(redesign.STEP_CSV):
+            print("\n## Redesign (instability edge, no clipping)\n")
+            print(redesign_analysis.summary_markdown(redesign.load(redesign.CSV),
+                                                     redesign.load(redesign.STEP_CSV)))  # fmt: skip
         return
     if a.task_pilot:
         torch.set_num_threads(1)
