@@ -10,6 +10,8 @@ finds, from the same vectors, the largest visits whose top is clustered, and
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from loopprobe.estimate.sensitivity_runs import _rerun, default_tol
@@ -56,7 +58,7 @@ def clustered_tops(jac, masks, visits, keys, vectors, found, dtype, chunk_size, 
         a = float(V[q] @ (v / v.norm().clamp_min(1e-300)))
         c2 = max(1.0 - a * a, 0.0)
         s2, res = found[b].value ** 2, found[b].residual
-        if c2 < tau or not s2 > 0 or res != res:  # parallel: no second direction seen
+        if c2 < tau or not s2 > 0 or math.isnan(res):  # parallel: no second direction seen
             continue
         cross = 2 * abs(a) * c2**0.5 * res * s2
         quotient = (float(sq[q]) - a * a * s2 + cross) / c2  # an upper end of q
