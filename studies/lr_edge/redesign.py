@@ -42,6 +42,8 @@ from studies.deeploop.redesign import loss_rise
 
 CSV = _common.here(__file__, "redesign.csv")
 STEP_CSV = _common.here(__file__, "redesign_step.csv")
+SMALL_CSV = _common.here(__file__, "redesign_step_small.csv")  # exploratory, after the data
+SMALL_GRID = tuple(range(-16, -7))  # log2 lr: octaves 2^-16 .. 2^-8, below the registered grid
 SEEDS = (100, 101, 102, 103, 104, 105)
 NS = (1, 2, 4, 8, 16)
 SCALINGS = ("1/sqrt(N)", "1/N")
@@ -180,3 +182,14 @@ def run(stop_at: str | None = None, plan: bool = False, out: str = CSV,
                 print(f"{c['scaling']} N{c['N']} lr {c['lr']:.4g} seed {c['seed']}: rise "
                       f"{res['rise']:.3f} nonfinite {res['nonfinite']} cpu {res['cpu_s']} s",
                       flush=True)  # fmt: skip
+
+
+def run_small(path: str = SMALL_CSV) -> pd.DataFrame:
+    """Exploratory (stated after the registered one-step cells): the one-step cells on octaves
+    2^-16 .. 2^-8, where the step is small against h_N; every seed and arm, seconds."""
+    torch.set_num_threads(1)
+    rows = [{**c, **step_cell(c)} for seed in SEEDS for s, N in arms() for x in SMALL_GRID
+            for c in [{"scaling": s, "N": N, "lr": lr_of(x), "seed": seed}]]  # fmt: skip
+    df = pd.DataFrame(rows)[STEP_COLUMNS]
+    df.to_csv(path, index=False, float_format="%.6g")
+    return df

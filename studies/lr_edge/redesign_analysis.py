@@ -127,8 +127,16 @@ def step_n_slopes(step: pd.DataFrame, col: str = "dh") -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def summary_markdown(cells: pd.DataFrame | None, step: pd.DataFrame | None) -> str:
+def summary_markdown(
+    cells: pd.DataFrame | None, step: pd.DataFrame | None, small: pd.DataFrame | None = None
+) -> str:
     out = []
+    if small is not None and len(small):
+        s = step_slopes(small)
+        out += ["### Exploratory (after the data): one step at lr 2^-16 .. 2^-8", "",
+                f"Slope on log2(eta eps N): {s['slope']:+.3f} [{s['ci_low']:+.3f}, "
+                f"{s['ci_high']:+.3f}] over {s['n_seeds']} seeds", "",
+                _md(step_n_slopes(small)), ""]  # fmt: skip
     if step is not None and len(step):
         s = step_slopes(step)
         sl = step_slopes(step, "dh_loop") if "dh_loop" in step else None

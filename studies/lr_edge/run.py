@@ -145,10 +145,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="the redesign without clipping (studies/lr_edge/redesign.py)")
     ap.add_argument("--stop-at", help="with --design: UTC HH:MM, start no cell after it")
     ap.add_argument("--plan", action="store_true", help="with --design: the cells still to run")
+    ap.add_argument("--small-steps", action="store_true",
+                    help="with --design: the exploratory one-step cells at lr 2^-16 .. 2^-8")
     a = _common.apply_design(ap.parse_args(argv), STUDY, PILOT)
     if a.design == "redesign" and not a.analyze:
         from studies.lr_edge import redesign
 
+        if a.small_steps:
+            redesign.run_small()
+            return
         redesign.run(a.stop_at, a.plan)
         return
     if a.analyze:
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         if os.path.exists(redesign.CSV) or os.path.exists(redesign.STEP_CSV):
             print("\n## Redesign (instability edge, no clipping)\n")
             print(redesign_analysis.summary_markdown(redesign.load(redesign.CSV),
-                                                     redesign.load(redesign.STEP_CSV)))  # fmt: skip
+                                                     redesign.load(redesign.STEP_CSV),
+                                                     redesign.load(redesign.SMALL_CSV)))  # fmt: skip
         return
     if a.task_pilot:
         torch.set_num_threads(1)
