@@ -163,9 +163,8 @@ def main(argv: list[str] | None = None) -> None:
 
         if os.path.exists(redesign.CSV) or os.path.exists(redesign.STEP_CSV):
             print("\n## Redesign (instability edge, no clipping)\n")
-            print(redesign_analysis.summary_markdown(redesign.load(redesign.CSV),
-                                                     redesign.load(redesign.STEP_CSV),
-                                                     redesign.load(redesign.SMALL_CSV)))  # fmt: skip
+            loads = [redesign.load(p) for p in (redesign.CSV, redesign.STEP_CSV, redesign.SMALL_CSV)]
+            print(redesign_analysis.summary_markdown(*loads))
         return
     if a.task_pilot:
         torch.set_num_threads(1)
