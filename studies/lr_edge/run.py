@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
 
         if os.path.exists(redesign.CSV) or os.path.exists(redesign.STEP_CSV):
             print("\n## Redesign (instability edge, no clipping)\n")
-            loads = [redesign.load(p) for p in (redesign.CSV, redesign.STEP_CSV, redesign.SMALL_CSV)]
+            paths = (redesign.CSV, redesign.STEP_CSV, redesign.SMALL_CSV)
+            loads = [redesign.load(p) for p in paths]
             print(redesign_analysis.summary_markdown(*loads))
         return
     if a.task_pilot:
