@@ -196,3 +196,14 @@ def test_redesign_verdicts_for_the_judge(tmp_path):
     assert "4 complete seeds" in notes[0]
     cells[cells["seed"] < 103].to_csv(tmp_path / "redesign.csv", index=False)
     assert ra.redesign_verdicts(tmp_path)[0][0][1] == "undecided (3 of 6 seeds run)"
+
+
+def test_train_cell_never_clips(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the redesign trains without gradient clipping")
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", boom)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_value_", boom)
+    c = {"scaling": "1/sqrt(N)", "N": 2, "lr": 0.01, "seed": 100, "steps": 12}
+    out = drv.train_cell(c)
+    assert out["steps_done"] == 12 and not out["nonfinite"] and math.isfinite(out["rise"])

@@ -20,6 +20,8 @@ The secondary (cheap) runs first for every seed, then the primary, seed by seed.
     nice -n 19 python -m studies lr_edge --design redesign                 # run / resume
     nice -n 19 python -m studies lr_edge --design redesign --stop-at 21:00 # stop by UTC time
     python -m studies lr_edge --design redesign --plan    # the cells still to run
+    python -m studies lr_edge --design redesign --small-steps  # exploratory one-step cells
+    python -m studies lr_edge --design redesign --analyze # the summary from the committed cells
 """
 
 from __future__ import annotations
