@@ -39,9 +39,11 @@ def test_the_committed_deeploop_and_finite_step_cells_give_the_pages_verdicts():
     assert any(n.startswith("DeepLoop study: 12 seeds") for n in notes)
     flt = [c for c in v if c.startswith("FLT: ")]
     assert "FLT: avoids the looped transformer's collapse" in flt and len(flt) == 3
-    lr_l = v["LR vs L: the optimum depends on L, not N, under 1/(N√L)"]
-    assert lr_l.verdict == UNKNOWN and "N = 8" in lr_l.measured + lr_l.why  # no task found
+    lr_l = v["LR vs L (redesign, no gate): the optimum depends on L, not N, under 1/(N√L)"]
+    assert lr_l.verdict == UNKNOWN and "seeds [100, 101, 102, 103]" in lr_l.measured  # 4 of 4
+    assert "an interval overlaps its prediction's boundary" in lr_l.measured  # too wide
     assert any(n.startswith("LR-vs-L task search: 12.0 CPU-min") for n in notes)
+    assert any(n.startswith("LR-vs-L redesign: 416 cells") for n in notes)
 
 
 def test_planted_deeploop_gains_flip_the_report_verdict_to_holds(tmp_path):
