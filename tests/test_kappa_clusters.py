@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kappa_err import SmallSteps
-from test_sensitivity import top_sv
+from test_kappa_err import SmallSteps, exact_small_step_kappa
 
 import loopprobe as lp
 from loopprobe.models import LinearLoop, LinearLoopConfig
@@ -34,25 +33,6 @@ def family_member(R: int, kind: str, seed: int):
     return model, x, y
 
 
-def exact_kappa(model, x, y, R: int) -> float:
-    """kappa from the dense Jacobian of the untied twin (one weight per visit)."""
-    from torch.func import jacrev
-
-    W = model.W.weight.detach()
-
-    def untied(Ws):
-        h = x
-        for r in range(R):
-            h = h + EPS * h @ Ws[r].T
-        return h.reshape(-1)
-
-    J = jacrev(untied)(W.expand(R, D, D).clone())
-    Us = [J[:, r].reshape(J.shape[0], -1) for r in range(R)]
-    Gs = [U.t() @ (untied(W.expand(R, D, D)) - y.reshape(-1)) for U in Us]
-    kappa = top_sv(sum(Us)) * float(sum(Gs).norm())
-    return kappa / (R * max(top_sv(U) for U in Us) * max(float(g.norm()) for g in Gs))
-
-
 @pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize(
     ("R", "kind", "seed"),
@@ -66,7 +46,7 @@ def exact_kappa(model, x, y, R: int) -> float:
 )
 def test_kappa_on_a_top_cluster_is_inside_its_interval_or_not_converged(R, kind, seed, warm):
     model, x, y = family_member(R, kind, seed)
-    exact = exact_kappa(model, x, y, R)
+    exact = exact_small_step_kappa(model, x, y, R)
     rep = lp.visit_alignment(
         lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
         method="lanczos", max_iter=30, warm_visits=warm,
@@ -87,7 +67,7 @@ def test_the_first_two_cold_cases_converge_inside_their_intervals():
     # resume after a repair but no second start, seed 2 converged outside (7.6e-7 below).
     for seed in (1, 2):
         model, x, y = family_member(3, "lp", seed)
-        exact = exact_kappa(model, x, y, 3)
+        exact = exact_small_step_kappa(model, x, y, 3)
         rep = lp.visit_alignment(
             lp.attach(model), x, squared_error(y), method="lanczos", max_iter=30,
             warm_visits=False,

@@ -252,6 +252,27 @@ class SmallSteps(torch.nn.Module):
         return x
 
 
+def exact_small_step_kappa(model, x, y, R: int, eps: float = 1e-6) -> float:
+    """kappa of a small-step loop ``h + eps h W^T`` (square loss) from the dense Jacobian of
+    its untied twin (one weight per visit): the oracle of the cluster tests."""
+    from torch.func import jacrev
+
+    W = model.W.weight.detach()
+    d = W.shape[0]
+
+    def untied(Ws):
+        h = x
+        for r in range(R):
+            h = h + eps * h @ Ws[r].T
+        return h.reshape(-1)
+
+    J = jacrev(untied)(W.expand(R, d, d).clone())
+    Us = [J[:, r].reshape(J.shape[0], -1) for r in range(R)]
+    Gs = [U.t() @ (untied(W.expand(R, d, d)) - y.reshape(-1)) for U in Us]
+    kappa = top_sv(sum(Us)) * float(sum(Gs).norm())
+    return kappa / (R * max(top_sv(U) for U in Us) * max(float(g.norm()) for g in Gs))
+
+
 def cluster_loop(R: int, kind: str = "lp"):
     """Small steps x + eps W x (eps 1e-6), as lp.models.LinearLoop or a plain module, with
     inputs and targets."""
@@ -290,23 +311,8 @@ def test_a_cluster_of_equal_top_singular_values_is_repaired_within_the_certified
     # came out 1.9999972 with a certified interval below the exact 1.9999987 (a wrong number
     # marked converged), and at R 4, 8 the tied norm's lower end beat the visits' sum (not
     # converged). Restarts from each other's top vectors make them consistent.
-    from torch.func import jacrev
-
-    d, eps = 8, 1e-6
     model, x, y = cluster_loop(R, kind)
-    W = model.W.weight.detach()
-
-    def untied(Ws):
-        h = x
-        for r in range(R):
-            h = h + eps * h @ Ws[r].T
-        return h.reshape(-1)
-
-    J = jacrev(untied)(W.expand(R, d, d).clone())
-    Us = [J[:, r].reshape(J.shape[0], -1) for r in range(R)]
-    Gs = [U.t() @ (untied(W.expand(R, d, d)) - y.reshape(-1)) for U in Us]
-    exact = top_sv(sum(Us)) * float(sum(Gs).norm())
-    exact /= R * max(top_sv(U) for U in Us) * max(float(g.norm()) for g in Gs)
+    exact = exact_small_step_kappa(model, x, y, R)
     rep = lp.visit_alignment(
         lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
         method="lanczos", max_iter=30,
