@@ -8,6 +8,9 @@ as it finishes (one row per checkpoint), so an interrupted run resumes from the 
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign study    # 3 rates per arm and R
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign psweep   # p across R = 2..16
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign trend    # R = 1, 4k and 8k steps
+    nice -n 19 .venv/bin/python -m studies.deeploop.redesign backbone # RoPE + embedding norm
+    nice -n 19 .venv/bin/python -m studies.deeploop.redesign pilot7   # lr pilot at R = 7
+    nice -n 19 .venv/bin/python -m studies.deeploop.redesign study7   # lr study at R = 7
     .venv/bin/python -m studies.deeploop.redesign pilot --dry         # list what is left
 
 The lr-grid cells train with ``studies.deeploop.run.train_cell`` (the original design: clip
@@ -36,13 +39,19 @@ ARMS = ("post", "deepnorm", "deeploop")
 #: lr pilot: the original lr 3e-3 plus these, half a decade apart, seeds 0-1 (3e-3: seeds 0-2)
 PILOT = {"Rs": (1, 3), "lrs": (1e-3, 1e-2, 3e-2), "seeds": (0, 1), "steps": 1000,
          "out": here(__file__, "deeploop_lr_pilot.csv")}  # fmt: skip
-LR_LADDER = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # half-decade steps; the pilot's optimum +- 1
+LR_LADDER = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)  # half-decade steps; pilot optimum +- 1
 STUDY = {"Rs": (1, 3), "seeds": tuple(range(100, 106)), "steps": 1000,
          "out": here(__file__, "deeploop_lr_study.csv")}  # fmt: skip
 TREND = {"arms": ("post", "deeploop"), "budgets": (4000, 8000), "seeds": (100, 101, 102),
          "out": here(__file__, "deeploop_trend.csv")}  # fmt: skip
 PSWEEP = {"Rs": (2, 4, 8, 16), "ps": (0.0, 0.25, 0.35, 0.45, 0.55), "seeds": (200, 201, 202),
           "lr": 1e-2, "steps": 1000, "out": here(__file__, "deeploop_psweep.csv")}  # fmt: skip
+# Second redesign (docs/studies/deeploop.md, "Second redesign"): the seed's backbone at the
+# lr-study's tuned rates, and the lr pilot and study at R = 7 (same CSVs as at R = 1 and 3).
+BACKBONE = {"Rs": (1, 3), "seeds": tuple(range(100, 106)), "steps": 1000, "position": "rope",
+            "embed_norm": True, "out": here(__file__, "deeploop_backbone.csv")}  # fmt: skip
+PILOT7 = {**PILOT, "Rs": (7,), "lrs": (3e-4, 1e-3, 1e-2)}  # + the original pilot's 3e-3
+STUDY7 = {**STUDY, "Rs": (7,)}
 SMOOTH = 20  # steps in the moving mean of the training loss the instability outcome reads
 KEYS = ["arm", "p", "R", "lr", "seed"]
 
@@ -78,7 +87,8 @@ def loss_rise(losses: list[float], start: int = 0, window: int = SMOOTH) -> floa
 
 def lr_cells(design: dict, lrs_of) -> list[dict]:
     """R-major (cheap R first), then seed, arm, lr: ``lrs_of(arm, R)`` gives the rates."""
-    base = {**BASE, "steps": design["steps"]}
+    base = {**BASE, "steps": design["steps"],
+            **{k: design[k] for k in ("position", "embed_norm") if k in design}}  # fmt: skip
     return [{"arm": arm, "norm": arm, "p": None, "R": R, "lr": lr, "seed": s, **base}
             for R in design["Rs"] for s in design["seeds"] for arm in ARMS
             for lr in lrs_of(arm, R)]  # fmt: skip
@@ -99,6 +109,15 @@ def trend_cells(design: dict = TREND) -> list[dict]:
              **BASE, "steps": n}
             for n in design["budgets"] for s in design["seeds"]
             for a in design["arms"]]  # fmt: skip
+
+
+def backbone_cells(design: dict = BACKBONE) -> list[dict]:
+    """The backbone check: every arm at R = 1 and 3 at its tuned lr of the lr study (tuned on
+    learned positions; not re-tuned), with RoPE and the input-embedding RMSNorm."""
+    from studies.deeploop.redesign_analysis import tuned
+
+    t = tuned(pd.read_csv(STUDY["out"])).set_index(["arm", "R"])["lr"]
+    return lr_cells(design, lambda arm, R: (float(t[(arm, R)]),))
 
 
 def done_keys(path: str) -> set[tuple]:
@@ -152,7 +171,8 @@ def study_rates(pilot: pd.DataFrame) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("design", choices=("pilot", "study", "psweep", "trend"))
+    ap.add_argument("design", choices=("pilot", "study", "psweep", "trend", "backbone",
+                                       "pilot7", "study7"))  # fmt: skip
     ap.add_argument("--dry", action="store_true", help="only say how many cells are left")
     ap.add_argument("--stop-at", dest="stop_at", help="HH:MM UTC after which no cell starts")
     a = ap.parse_args(argv)
@@ -163,11 +183,15 @@ def main(argv: list[str] | None = None) -> None:
         stop = time.time() + ((h - now.tm_hour) * 60 + m - now.tm_min) * 60 - now.tm_sec
     if a.design == "pilot":
         cells, out, fn = lr_cells(PILOT, lambda arm, R: PILOT["lrs"]), PILOT["out"], train_cell
-    elif a.design == "study":
+    elif a.design == "pilot7":
+        cells, out, fn = lr_cells(PILOT7, lambda arm, R: PILOT7["lrs"]), PILOT7["out"], train_cell
+    elif a.design in ("study", "study7"):
         from studies.deeploop.redesign_analysis import pilot_cells
 
-        rates = study_rates(pilot_cells())
-        cells, out, fn = lr_cells(STUDY, lambda arm, R: rates[(arm, R)]), STUDY["out"], train_cell
+        rates, d = study_rates(pilot_cells()), (STUDY if a.design == "study" else STUDY7)
+        cells, out, fn = lr_cells(d, lambda arm, R: rates[(arm, R)]), d["out"], train_cell
+    elif a.design == "backbone":
+        cells, out, fn = backbone_cells(), BACKBONE["out"], train_cell
     elif a.design == "trend":
         cells, out, fn = trend_cells(), TREND["out"], train_cell
     else:

@@ -19,7 +19,7 @@ OLD_PILOT_CSV = here(__file__, "deeploop_pilot.csv")  # lr 3e-3, seeds 0-2 (the 
 
 def pilot_cells(where=None) -> pd.DataFrame:
     """The lr pilot's cells: the original pilot's (lr 3e-3) and the lr-grid pilot's (in
-    ``where``, default this folder)."""
+    ``where``, default this folder), R = 1, 3 and 7."""
     import pathlib
 
     d = pathlib.Path(where or pathlib.Path(PILOT_CSV).parent)
@@ -27,7 +27,7 @@ def pilot_cells(where=None) -> pd.DataFrame:
     if (d / pathlib.Path(PILOT_CSV).name).exists():
         frames.append(pd.read_csv(d / pathlib.Path(PILOT_CSV).name))
     df = pd.concat(frames, ignore_index=True)
-    return df[df["R"].isin((1, 3))].reset_index(drop=True)
+    return df[df["R"].isin((1, 3, 7))].reset_index(drop=True)
 
 
 def per_lr(cells: pd.DataFrame, floor: float | None = None) -> pd.DataFrame:

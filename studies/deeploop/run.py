@@ -48,9 +48,12 @@ def train_steps(cfg: dict, norm: str, p: float | None, clip: float | None):
     """Build one cell's model and train it (AdamW, linear warmup over 5 % then linear decay,
     ``clip``: the gradient-norm clip or None). Returns the rows (held-out loss at each
     checkpoint, plus a NaN row at the last step if training failed), every step's training
-    loss, and the error (None, or why the run failed)."""
+    loss, and the error (None, or why the run failed). ``cfg["position"]`` and
+    ``cfg["embed_norm"]`` pick the backbone (default: learned positions, no embedding norm)."""
     gcfg = GPTConfig(vocab_size=256, seq_len=cfg["seq"], d_model=cfg["d"], n_heads=cfg["heads"],
-                     K=cfg["K"], R=cfg["R"], norm=norm, p=p)  # fmt: skip
+                     K=cfg["K"], R=cfg["R"], norm=norm, p=p,
+                     position=cfg.get("position", "learned"),
+                     embed_norm=bool(cfg.get("embed_norm", False)))  # fmt: skip
     model = LoopedGPT(gcfg, generator=torch.Generator().manual_seed(cfg["seed"]))
     data = torch.Generator().manual_seed(7_000 + cfg["seed"])
     evals = val_batches(cfg)
