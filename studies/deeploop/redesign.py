@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.stop_at:
         h, m = map(int, a.stop_at.split(":"))
         now = time.gmtime()
-        stop = time.time() + ((h - now.tm_hour) * 60 + m - now.tm_min) * 60 - now.tm_sec
+        left = ((h - now.tm_hour) * 60 + m - now.tm_min) * 60 - now.tm_sec
+        stop = time.time() + left % 86400  # a stop time past midnight UTC is tomorrow's
     if a.design == "pilot":
         cells, out, fn = lr_cells(PILOT, lambda arm, R: PILOT["lrs"]), PILOT["out"], train_cell
     elif a.design == "pilot7":
