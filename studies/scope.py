@@ -60,6 +60,17 @@ SCOPES: list[tuple[str, str, str, str]] = [
     ("deeploop", "DeepLoop (redesign): p-sweep", "postp LoopedGPT d 32, K 2, R 2/4/8/16, 1000 "
      "steps, lr 1e-2, no clipping, 3 seeds; unstable = divergence or a 0.5-nat loss rise",
      "more seeds per cell, or a higher lr where some p is unstable"),
+    ("deeploop", "DeepLoop (redesign): seed's backbone", "LoopedGPT d 32, K 2 with RoPE and an "
+     "input-embedding RMSNorm, R 1 and 3, 1000 steps, clip 1, each arm at its lr tuned on "
+     "learned positions (not re-tuned), 6 seeds", "each arm's lr tuned on this backbone, or "
+     "more seeds where an interval straddles the criterion"),
+    ("deeploop", "DeepLoop (redesign): R = 7", "post-norm LoopedGPT d 32, K 2, R 7, 1000 steps, "
+     "clip 1, each arm at its best of 3 rates around its R = 7 pilot optimum, 6 seeds",
+     "a rate beyond an unbracketed optimum, or more seeds (docs/studies/deeploop.md, Second "
+     "redesign)"),
+    ("deeploop", "DeepLoop (redesign): whole claim", "post-norm LoopedGPT d 32, K 2, R 1, 3 "
+     "and 7, 1000 steps, clip 1, each arm at its best of 3 rates per R, 6 seeds",
+     "every part decided (docs/studies/deeploop.md, Second redesign)"),
     ("deeploop", "DeepLoop (redesign)", "post-norm LoopedGPT d 32, K 2, R 1 and 3, 1000 steps, "
      "clip 1, each arm at its best of 3 rates (bracketed; the pilot's rates agree), 6 seeds",
      "the redesign's cells complete (docs/studies/deeploop.md)"),

@@ -138,3 +138,73 @@ def test_trend_table_pairs_deeploop_and_post_at_their_tuned_lr_per_budget():
     out = ra.trend_table(pd.concat(trend, ignore_index=True), study).set_index("steps")
     assert list(out.index) == [1000, 4000, 8000] and (out["seeds"] == 3).all()
     assert out["diff"].to_numpy() == pytest.approx([0.1, 0.05, 0.0], abs=1e-9)
+
+
+# ------------------------------------------------------------------ second redesign
+
+BEST7 = {(a, R): 3e-3 for a in rd.ARMS for R in (1, 3, 7)}
+
+
+def test_backbone_check_uses_the_lr_study_tuned_rates_and_sets_the_learned_verdict_beside():
+    study = lr_cells(BEST, {("deeploop", 3): -0.05})
+    # on the backbone deeploop would win at R = 1 at 1e-2, but its tuned rate is 3e-3 there
+    bb = lr_cells({**BEST, ("deeploop", 1): 1e-2 * 2}, {("deeploop", 3): 0.05},
+                  rates=(3e-3, 1e-2))  # fmt: skip
+    bb.loc[(bb["arm"] == "deeploop") & (bb["R"] == 1) & (bb["lr"] == 1e-2), "val_loss"] -= 0.5
+    t = ra.backbone_check(bb, study, FLOOR).set_index(["baseline", "R"])
+    assert t.loc[("post", 3), "verdict"] == "fails" and t.loc[("post", 3), "diff"] > 0
+    assert t.loc[("post", 3), "learned_verdict"] == "holds"
+    assert t.loc[("post", 3), "learned_diff"] == pytest.approx(-0.05, abs=1e-9)
+    # deeploop at its study rate 3e-3, not its backbone best: 0.05 * log2(3e-3 / 2e-2)^2 worse
+    assert t.loc[("post", 1), "diff"] == pytest.approx(0.05 * math.log2(3e-3 / 2e-2) ** 2, abs=1e-9)
+
+
+def _second_redesign_tree(tmp_path, gains: dict):
+    """An old pilot (3e-3, seeds 0-2, R 1/3/7), the R = 7 pilot grid (seeds 0-1), the lr study at
+    R = 1 and 3 and at R = 7 (rates 1e-3, 3e-3, 1e-2 around the pilot optimum 3e-3)."""
+    old = lr_cells(BEST7, {}, seeds=range(3), rates=(3e-3,))
+    old.to_csv(tmp_path / "deeploop_pilot.csv", index=False)
+    b7 = {k: v for k, v in BEST7.items() if k[1] == 7}
+    lr_cells(b7, {}, seeds=range(2), rates=(3e-4, 1e-3, 1e-2)).to_csv(
+        tmp_path / "deeploop_lr_pilot.csv", index=False)  # fmt: skip
+    study = lr_cells(BEST7, gains)
+    study.to_csv(tmp_path / "deeploop_lr_study.csv", index=False)
+    return study
+
+
+def test_second_redesign_judges_r7_and_the_whole_claim_only_when_its_cells_are_complete(tmp_path):
+    gains = {("deeploop", 3): -0.05, ("deeploop", 7): -0.05, ("deepnorm", 3): -0.1}
+    study = _second_redesign_tree(tmp_path, gains)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    got = {c.split(",")[0] + "," + c.split(",")[1]: v for c, v, _ in rows}
+    assert got == {"vs post, each arm at its tuned lr: neutral at R = 1": "holds",
+                   "vs deepnorm, each arm at its tuned lr: neutral at R = 1": "fails",
+                   "R = 7, vs post": "holds", "R = 7, vs deepnorm": "holds",
+                   "whole claim, vs post": "holds", "whole claim, vs deepnorm": "fails"}
+    assert notes == []
+    whole = [m for c, _, m in rows if c.startswith("whole claim, vs deepnorm")][0]
+    assert "R=3 improves fails" in whole and "R=7 improves holds" in whole
+    part = study[(study["R"] < 7) | (study["seed"] < 5)]
+    part.to_csv(tmp_path / "deeploop_lr_study.csv", index=False)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    assert len(rows) == 2 and notes == ["DeepLoop second redesign, R = 7 lr study: running, "
+                                        "45 of 54 cells"]  # fmt: skip
+    pilot = pd.read_csv(tmp_path / "deeploop_lr_pilot.csv")
+    pilot[pilot["seed"] == 0].to_csv(tmp_path / "deeploop_lr_pilot.csv", index=False)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    assert len(rows) == 2 and "R = 7 lr pilot: running, 18 of 27" in notes[0]
+
+
+def test_second_redesign_backbone_rows_wait_for_all_36_cells(tmp_path):
+    study = _second_redesign_tree(tmp_path, {("deeploop", 3): -0.05})
+    bb = lr_cells(BEST, {("deeploop", 3): 0.05}, rates=(3e-3,))
+    bb[bb["seed"] < 5].to_csv(tmp_path / "deeploop_backbone.csv", index=False)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    assert not [c for c, _, _ in rows if c.startswith("seed's backbone")]
+    assert "backbone: running, 30 of 36 cells" in notes[0]
+    bb.to_csv(tmp_path / "deeploop_backbone.csv", index=False)
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    bbrows = {c.split(",")[1].strip(): (v, m) for c, v, m in rows if c.startswith("seed's")}
+    verdict, measured = bbrows["vs post"]
+    assert verdict == "fails" and "differs from learned positions" in measured
+    assert "(R=1 holds +0.000, R=3 holds -0.050)" in measured and len(study) == 162

@@ -177,6 +177,103 @@ def psweep_verdicts(table: pd.DataFrame) -> tuple[pd.DataFrame, str, str]:
 
 STUDY_CSV = here(__file__, "deeploop_lr_study.csv")
 STUDY_CELLS = 3 * 3 * 2 * 6  # arms x rates x R x seeds (docs/studies/deeploop.md, Redesign)
+R13 = (1, 3)  # the first redesign's R; R = 7 joined the same CSVs in the second redesign
+BACKBONE_CSV = here(__file__, "deeploop_backbone.csv")
+BACKBONE_CELLS = 3 * 2 * 6  # arms x R x seeds, one (tuned) lr each
+PILOT7_CELLS = 3 * (3 * 2 + 3)  # arms x (3 new rates x 2 seeds + the original pilot's 3e-3)
+
+
+def at_r(cells: pd.DataFrame, Rs) -> pd.DataFrame:
+    """The cells at the given R (the lr CSVs hold R = 1 and 3, then R = 7)."""
+    return cells[cells["R"].isin(tuple(Rs))].reset_index(drop=True)
+
+
+def backbone_check(backbone: pd.DataFrame, study: pd.DataFrame, floor=None) -> pd.DataFrame:
+    """Second redesign, part 1: DeepLoop − baseline on the seed's backbone (RoPE + embedding
+    RMSNorm), each arm at its tuned lr of the lr study (tuned on learned positions, not
+    re-tuned), beside the lr study's difference and verdict at the same rates."""
+    study = at_r(study, R13)
+    lrs = tuned(study, floor).set_index(["arm", "R"])["lr"].to_dict()
+    new, old = compare_at(backbone, lrs, floor), compare_at(study, lrs, floor)
+    old = old.set_index(["baseline", "R"])
+    new["learned_diff"] = [old.loc[(b, R), "diff"] for b, R in zip(new["baseline"], new["R"])]
+    new["learned_verdict"] = [old.loc[(b, R), "verdict"]
+                              for b, R in zip(new["baseline"], new["R"])]  # fmt: skip
+    return new
+
+
+def r7_expected(pilot: pd.DataFrame) -> int | None:
+    """How many R = 7 study cells the pilot's optima call for (None while the pilot runs)."""
+    from studies.deeploop.redesign import STUDY7, study_rates
+
+    p7 = at_r(pilot, (7,))
+    if int(p7["final"].astype(bool).sum()) < PILOT7_CELLS:
+        return None
+    rates = study_rates(p7)
+    return len(STUDY7["seeds"]) * sum(len(rates[(a, 7)]) for a in dl.ARMS)
+
+
+def _whole(parts: list[str]) -> str:
+    """fails if any part fails, holds if all hold, else undecided."""
+    return "fails" if "fails" in parts else "holds" if set(parts) == {"holds"} else "undecided"
+
+
+def _desc(g: pd.DataFrame) -> str:
+    return "; ".join(f"R={r.R} {r.criterion} {r.verdict}: {r.diff:+.3f} "
+                     f"[{r.ci_low:+.3f}, {r.ci_high:+.3f}]" for r in g.itertuples())  # fmt: skip
+
+
+def second_redesign(root, t13: pd.DataFrame | None) -> tuple[list, list[str]]:
+    """Rows and notes of the second redesign (backbone check; the lr study at R = 7 and the
+    first registration's claim whole), each only once its cells are complete. ``t13``: the
+    lr study's result at R = 1 and 3 (None while it runs)."""
+    import pathlib
+
+    root, out, notes = pathlib.Path(root), [], []
+    study_path = root / pathlib.Path(STUDY_CSV).name
+    bb = root / pathlib.Path(BACKBONE_CSV).name
+    if bb.exists() and t13 is not None:
+        cells = pd.read_csv(bb)
+        n = int(cells["final"].astype(bool).sum())
+        if n < BACKBONE_CELLS:
+            notes.append(f"DeepLoop second redesign, backbone: running, {n} of "
+                         f"{BACKBONE_CELLS} cells")  # fmt: skip
+        else:
+            t = backbone_check(cells, pd.read_csv(study_path))
+            for b in dl.BASELINES:
+                g = t[t["baseline"] == b]
+                same = "same as" if (g["verdict"] == g["learned_verdict"]).all() else "differs from"
+                out.append((f"seed's backbone, vs {b}, each arm at its lr tuned on learned "
+                            "positions: neutral at R = 1, better at R = 3",
+                            _whole(list(g["verdict"])),
+                            f"{_desc(g)}; {same} learned positions at these rates ("
+                            + ", ".join(f"R={r.R} {r.learned_verdict} {r.learned_diff:+.3f}"
+                                        for r in g.itertuples()) + ")"))  # fmt: skip
+    if t13 is None or not study_path.exists():
+        return out, notes
+    c7 = at_r(pd.read_csv(study_path), (7,))
+    pilot = pilot_cells(root)
+    need, n = r7_expected(pilot), int(c7["final"].astype(bool).sum())
+    if need is None:
+        p7 = int(at_r(pilot, (7,))["final"].astype(bool).sum())
+        notes.append(f"DeepLoop second redesign, R = 7 lr pilot: running, {p7} of "
+                     f"{PILOT7_CELLS} cells (with the original pilot's 9)")  # fmt: skip
+        return out, notes
+    if n < need:
+        notes.append(f"DeepLoop second redesign, R = 7 lr study: running, {n} of {need} cells")
+        return out, notes
+    t7 = lr_study(c7, at_r(pilot, (7,)))
+    for b in dl.BASELINES:
+        g = t7[t7["baseline"] == b]
+        r = g.iloc[0]
+        why = "" if r["verdict"] != "undecided" else f" ({r['reason']})"
+        out.append((f"R = 7, vs {b}, each arm at its tuned lr: better at R = 7",
+                    r["verdict"] + why, _desc(g)))  # fmt: skip
+        whole = pd.concat([t13[t13["baseline"] == b], g], ignore_index=True)
+        out.append((f"whole claim, vs {b}, each arm at its tuned lr: neutral at R = 1, better "
+                    "at R = 3 and at R = 7", _whole(list(whole["verdict"])),
+                    _desc(whole)))  # fmt: skip
+    return out, notes
 
 
 def redesign_verdicts(root) -> tuple[list[tuple[str, str, str]], list[str]]:
@@ -200,14 +297,14 @@ def redesign_verdicts(root) -> tuple[list[tuple[str, str, str]], list[str]]:
         else:
             out.append(("p-sweep across R = 2..16: instability boundary near p = 1/2", v,
                         f"{per}; {why}"))  # fmt: skip
-    study = root / pathlib.Path(STUDY_CSV).name
+    study, t13 = root / pathlib.Path(STUDY_CSV).name, None
     if study.exists():
-        cells = pd.read_csv(study)
+        cells = at_r(pd.read_csv(study), R13)
         n = int(cells["final"].astype(bool).sum())
         if n < STUDY_CELLS:
             notes.append(f"DeepLoop redesign lr study: running, {n} of {STUDY_CELLS} cells")
         else:
-            t = lr_study(cells, pilot_cells(root))
+            t13 = t = lr_study(cells, at_r(pilot_cells(root), R13))
             for b in dl.BASELINES:
                 g = t[t["baseline"] == b]
                 vs = set(g["verdict"])
@@ -217,12 +314,14 @@ def redesign_verdicts(root) -> tuple[list[tuple[str, str, str]], list[str]]:
                                  for r in g.itertuples())  # fmt: skip
                 out.append((f"vs {b}, each arm at its tuned lr: neutral at R = 1, better at "
                             "R = 3", v, desc))  # fmt: skip
-    return out, notes
+    more, more_notes = second_redesign(root, t13)
+    return out + more, notes + more_notes
 
 
 def summary_markdown(root=None) -> str:
     """The pilot, p-sweep and lr-study tables as markdown (what the page shows)."""
     import os
+    import pathlib
 
     lines = ["### lr pilot: mean final loss per arm, R and lr", "",
              dl._md(per_lr(pilot_cells()))]  # fmt: skip
@@ -232,10 +331,23 @@ def summary_markdown(root=None) -> str:
         lines += ["", "### p-sweep across R", "", dl._md(t), "", dl._md(per_r), "",
                   f"- claim: {v} ({why})"]  # fmt: skip
     if os.path.exists(STUDY_CSV):
-        cells = pd.read_csv(STUDY_CSV)
-        lines += ["", "### lr study: tuned lr per arm and R", "", dl._md(tuned(cells))]
+        allc = pd.read_csv(STUDY_CSV)
+        cells = at_r(allc, R13)
+        lines += ["", "### lr study: tuned lr per arm and R", "", dl._md(tuned(allc))]
         if int(cells["final"].astype(bool).sum()) >= STUDY_CELLS:
-            lines += ["", dl._md(lr_study(cells, pilot_cells()).drop(columns=["reason"]))]
+            pilot = at_r(pilot_cells(), R13)
+            lines += ["", dl._md(lr_study(cells, pilot).drop(columns=["reason"]))]
+        c7 = at_r(allc, (7,))
+        if len(c7):
+            lines += ["", "### lr study at R = 7 (per lr)", "", dl._md(per_lr(c7))]
+            lines += ["", dl._md(lr_study(c7, at_r(pilot_cells(), (7,))))]
+        if os.path.exists(BACKBONE_CSV):
+            bb = pd.read_csv(BACKBONE_CSV)
+            lines += ["", "### backbone check (RoPE + embedding RMSNorm)", "",
+                      dl._md(per_lr(bb)), "", dl._md(backbone_check(bb, allc))]  # fmt: skip
+    rows, notes = redesign_verdicts(pathlib.Path(STUDY_CSV).parent)
+    lines += ["", "### verdict rows", ""] + [f"- {c}: **{v}** ({m})" for c, v, m in rows]
+    lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
 
 
