@@ -120,6 +120,14 @@ def backbone_cells(design: dict = BACKBONE) -> list[dict]:
     return lr_cells(design, lambda arm, R: (float(t[(arm, R)]),))
 
 
+def extend7_cells(design: dict = STUDY7) -> list[dict]:
+    """Addendum to the R = 7 study: the next ladder rate beyond each arm's end optimum."""
+    from studies.deeploop.redesign_analysis import extension_rates, pilot_cells
+
+    rates = extension_rates(pd.read_csv(STUDY["out"]), pilot_cells())
+    return lr_cells(design, lambda arm, R: rates.get((arm, R), ()))
+
+
 def done_keys(path: str) -> set[tuple]:
     """The (arm, p, R, lr, seed, steps) of every finished cell in ``path`` (its final row)."""
     if not os.path.exists(path):
@@ -172,7 +180,7 @@ def study_rates(pilot: pd.DataFrame) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("design", choices=("pilot", "study", "psweep", "trend", "backbone",
-                                       "pilot7", "study7"))  # fmt: skip
+                                       "pilot7", "study7", "extend7"))  # fmt: skip
     ap.add_argument("--dry", action="store_true", help="only say how many cells are left")
     ap.add_argument("--stop-at", dest="stop_at", help="HH:MM UTC after which no cell starts")
     a = ap.parse_args(argv)
@@ -191,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
 
         rates, d = study_rates(pilot_cells()), (STUDY if a.design == "study" else STUDY7)
         cells, out, fn = lr_cells(d, lambda arm, R: rates[(arm, R)]), d["out"], train_cell
+    elif a.design == "extend7":
+        cells, out, fn = extend7_cells(), STUDY7["out"], train_cell
     elif a.design == "backbone":
         cells, out, fn = backbone_cells(), BACKBONE["out"], train_cell
     elif a.design == "trend":

@@ -213,6 +213,25 @@ def r7_expected(pilot: pd.DataFrame) -> int | None:
     return len(STUDY7["seeds"]) * sum(len(rates[(a, 7)]) for a in dl.ARMS)
 
 
+def extension_rates(cells: pd.DataFrame, pilot: pd.DataFrame) -> dict:
+    """Addendum to the R = 7 study: (arm, 7) -> (the next ladder rate beyond,) for each arm
+    whose tuned lr over its registered study rates is the lowest or highest of them (one step
+    only; a new optimum at the new end stays unbracketed)."""
+    from studies.deeploop.redesign import LR_LADDER, study_rates
+
+    c7, out = at_r(cells, (7,)), {}
+    for (arm, R), rs in study_rates(at_r(pilot, (7,))).items():
+        sub = c7[(c7["arm"] == arm) & np.isclose(c7["lr"].to_numpy()[:, None], rs).any(1)]
+        if sub.empty:
+            continue
+        best = float(tuned(sub)["lr"].iloc[0])
+        i = min(range(len(LR_LADDER)), key=lambda j: abs(np.log(LR_LADDER[j] / best)))
+        j = i - 1 if np.isclose(best, min(rs)) else i + 1 if np.isclose(best, max(rs)) else None
+        if j is not None and 0 <= j < len(LR_LADDER):
+            out[(arm, R)] = (LR_LADDER[j],)
+    return out
+
+
 def _whole(parts: list[str]) -> str:
     """fails if any part fails, holds if all hold, else undecided."""
     return "fails" if "fails" in parts else "holds" if set(parts) == {"holds"} else "undecided"
@@ -262,13 +281,20 @@ def second_redesign(root, t13: pd.DataFrame | None) -> tuple[list, list[str]]:
     if n < need:
         notes.append(f"DeepLoop second redesign, R = 7 lr study: running, {n} of {need} cells")
         return out, notes
+    ext = extension_rates(c7, pilot)
+    if n < need + 6 * len(ext):
+        notes.append(f"DeepLoop second redesign, R = 7 grid extension (addendum): running, "
+                     f"{n - need} of {6 * len(ext)} cells")  # fmt: skip
+        return out, notes
     t7 = lr_study(c7, at_r(pilot, (7,)))
+    extended = "; grid extended one rate beyond an end optimum (addendum) for " + (
+        ", ".join(f"{a} ({r[0]:g})" for (a, _), r in sorted(ext.items())) or "none")
     for b in dl.BASELINES:
         g = t7[t7["baseline"] == b]
         r = g.iloc[0]
         why = "" if r["verdict"] != "undecided" else f" ({r['reason']})"
         out.append((f"R = 7, vs {b}, each arm at its tuned lr: better at R = 7",
-                    r["verdict"] + why, _desc(g)))  # fmt: skip
+                    r["verdict"] + why, _desc(g) + extended))  # fmt: skip
         whole = pd.concat([t13[t13["baseline"] == b], g], ignore_index=True)
         out.append((f"whole claim, vs {b}, each arm at its tuned lr: neutral at R = 1, better "
                     "at R = 3 and at R = 7", _whole(list(whole["verdict"])),
