@@ -208,3 +208,35 @@ def test_second_redesign_backbone_rows_wait_for_all_36_cells(tmp_path):
     verdict, measured = bbrows["vs post"]
     assert verdict == "fails" and "differs from learned positions" in measured
     assert "(R=1 holds +0.000, R=3 holds -0.050)" in measured and len(study) == 162
+
+
+def test_r7_grid_extension_adds_one_rate_beyond_an_end_optimum_and_waits_for_its_cells(tmp_path):
+    gains = {("deeploop", 7): -0.05}
+    _second_redesign_tree(tmp_path, gains)
+    study = lr_cells({**BEST7, ("post", 7): 6e-4}, gains)  # post's best below its rates
+    study.to_csv(tmp_path / "deeploop_lr_study.csv", index=False)
+    pilot = ra.pilot_cells(tmp_path)
+    assert ra.extension_rates(study, pilot) == {("post", 7): (3e-4,)}
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    assert not [c for c, _, _ in rows if c.startswith("R = 7")]
+    assert notes == ["DeepLoop second redesign, R = 7 grid extension (addendum): running, "
+                     "0 of 6 cells"]  # fmt: skip
+    more = lr_cells({("post", 7): 6e-4}, {}, rates=(3e-4,))
+    pd.concat([study, more]).to_csv(tmp_path / "deeploop_lr_study.csv", index=False)
+    assert ra.extension_rates(pd.concat([study, more]), pilot) == {("post", 7): (3e-4,)}
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    r7 = {c.split(",")[1].strip(): (v, m) for c, v, m in rows if c.startswith("R = 7")}
+    assert notes == [] and r7["vs post"][0] == "holds"  # 1e-3 bracketed by 3e-4 and 3e-3
+    assert r7["vs post"][1].endswith("(addendum) for post (0.0003)")
+
+
+def test_r7_grid_extension_is_one_step_an_optimum_at_the_new_end_stays_unbracketed(tmp_path):
+    _second_redesign_tree(tmp_path, {})
+    best = {**BEST7, ("post", 7): 2e-4}  # below even the added rate
+    study = pd.concat([lr_cells(best, {}), lr_cells({("post", 7): 2e-4}, {}, rates=(3e-4,))])
+    study.to_csv(tmp_path / "deeploop_lr_study.csv", index=False)
+    assert ra.extension_rates(study, ra.pilot_cells(tmp_path)) == {("post", 7): (3e-4,)}
+    rows, notes = ra.redesign_verdicts(tmp_path)
+    verdict, measured = [(v, m) for c, v, m in rows if c.startswith("R = 7, vs post")][0]
+    assert notes == [] and verdict == "undecided (optimum not bracketed for ['post'])"
+    assert measured.endswith("(addendum) for post (0.0003)")
