@@ -10,21 +10,28 @@ activation and a batched VJP one cotangent per saved tensor, at most ``A`` each,
 each operator's gradient with respect to every offset visit (``sum_k n_k``), its
 vectors (``n_max``) and its output (``m``). The budget for one chunk is
 
-    budget = min(available / 2, max(4 * A, 1 GiB))
+    budget = min(available / 2, max(A, 128 MiB))
 
 with ``available`` the memory the device has free now (:func:`available_bytes`): half of
-it, so the rest of the process and other processes keep room, and no more than four
-forward activations (or 1 GiB, whichever is larger), so the peak of an estimate stays a
-few times that of a plain forward+backward. Then ``chunk = budget // per_operator``,
-at least 1; when every operator fits the answer is ``None`` (one batch, no chunking).
-Chunking never changes the numbers, only how many operators ``torch.vmap`` carries at
-once. When the free memory cannot be read the budget is ``max(4 * A, 1 GiB)``.
+it, so the rest of the process and other processes keep room, and no more than one
+forward's activations (or 128 MiB, whichever is larger). That is a budget for the whole
+estimate, not only for the chunk: besides the chunk a kappa or ``||U||`` run holds the VJP
+graph of one forward (about ``A``) and the graph of its backward, which gives ``U t`` by
+reverse over reverse (about ``A`` again), and while the visits of one visit number run on
+their narrowed copy the whole graph is dropped
+(:meth:`~loopprobe.differentiate.jacobian.VisitJacobian.release`). So the peak stays near
+three training steps' (benchmarks/bench_kappa_memory.py: d 256 R 4, 2.8x one AdamW step;
+four activations per chunk gave 4.0x at the same CPU time). Then
+``chunk = budget // per_operator``, at least 1; when every operator fits the answer is
+``None`` (one batch, no chunking). Chunking never changes the numbers, only how many
+operators ``torch.vmap`` carries at once. When the free memory cannot be read the budget is
+``max(A, 128 MiB)``.
 
 Why not psutil: ``psutil.virtual_memory().available`` is the same ``MemAvailable`` on Linux
 (equal to the byte on the machine this was written on), but it ignores cgroup limits
 (psutil issue 2100, open): inside a container it reports the host's free memory, the case
 :func:`_cgroup_room` is here for. psutil would only add the free memory on macOS and
-Windows, where the budget falls back to the bounded ``max(4 * A, 1 GiB)``; it is not a
+Windows, where the budget falls back to the bounded ``max(A, 128 MiB)``; it is not a
 dependency of torch, numpy or pandas, so it would be one more compiled package for that.
 """
 
@@ -40,8 +47,8 @@ GiB = 2**30
 #: Budget for one chunk: at most this fraction of the free memory ...
 FREE_FRACTION = 0.5
 #: ... and at most this many forward activations (or FLOOR_BYTES, whichever is larger).
-ACTIVATIONS = 4
-FLOOR_BYTES = GiB
+ACTIVATIONS = 1
+FLOOR_BYTES = 128 * 2**20
 
 
 def available_bytes(device: torch.device | str = "cpu") -> int | None:
@@ -126,40 +133,57 @@ def chunk_size(
 def saved_bytes(fn: Any, *args: Any, exclude: Any = ()) -> int:
     """Bytes of the tensors autograd saves for backward while ``fn(*args)`` runs, each
     storage counted once; storages of the tensors in ``exclude`` (the parameters) are
-    not counted."""
+    not counted. The saved tensors are counted, not kept: the measuring forward holds no
+    graph (its peak is a forward's without one), and it cannot be differentiated."""
     import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[tuple, int] = {}
+    live: dict[tuple, Any] = {}  # a storage's address, while that storage lives
+    total = 0
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
+        nonlocal total
         s = t.untyped_storage()
         key = (t.device, s.data_ptr())
-        if s.data_ptr() not in skip:
-            seen[key] = s.nbytes()
-        return t
+        if s.data_ptr() in skip or (key in live and not live[key].expired()):
+            return None
+        live[key] = StorageWeakRef(s)
+        total += s.nbytes()
+        return None
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("saved_bytes: its forward only measures; it has no backward")
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         fn(*args)
-    return sum(seen.values())
+    return total
 
 
 def auto_chunk_size(jac: Any, operators: int) -> int | None:
     """The chunk size of this module's rule for the operators of a
-    :class:`loopprobe.differentiate.jacobian.VisitJacobian` (after ``jac.vjp_fn()``):
-    ``A`` from one extra forward with fresh leaves, ``m`` from ``jac.F0``; ``None`` (one
-    batch) if plain autograd cannot run that forward."""
+    :class:`loopprobe.differentiate.jacobian.VisitJacobian`: ``A`` from one extra forward
+    with fresh leaves, ``m`` from its output; ``None`` (one batch) if plain autograd cannot
+    run that forward. Called before the VJP graph is built, so that the two forwards' saved
+    activations are never held at once."""
     import torch
 
     leaves = [tuple(p.detach().requires_grad_() for p in ps) for ps in jac.primals]
     params = [p for ps in jac.primals for p in ps]
     params += list(jac.probe.model.parameters()) + list(jac.probe.model.buffers())
+    m: list[int] = []
+
+    def forward(*deltas: Any) -> Any:
+        out = jac.f(*deltas)
+        m.append(out.numel())
+        return out
+
     try:
-        A = saved_bytes(jac.f, *leaves, exclude=params)
+        A = saved_bytes(forward, *leaves, exclude=params)
     except RuntimeError:  # a forward plain autograd refuses (torch.func took it): no chunking,
         return None  # as before this rule existed
     item = torch.finfo(jac.dtype).bits // 8 if jac.dtype.is_floating_point else 4
-    per = A + item * (sum(jac.n) + 2 * jac.n_max + 2 * jac.F0.numel())
+    per = A + item * (sum(jac.n) + 2 * jac.n_max + 2 * m[0])
     return chunk_size(operators, per, A, available_bytes(jac.device))
 
 

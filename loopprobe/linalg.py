@@ -192,7 +192,9 @@ def operator_norm_krylov(
     vector estimate; a warm start for a later call). ``subset=True``: converged
     operators drop out of the batch; ``matvec(v, idx)`` and ``rmatvec(u, idx)`` then get
     the rows of the operators ``idx`` (a CPU ``LongTensor``) still running and return
-    theirs. Memory: ``basis`` vectors of shape ``(B, n)`` (default ``max_iter``, at least 2):
+    theirs. Memory: ``basis`` vectors of shape ``(B, n)`` (default ``max_iter``, at least 2),
+    each holding only the rows of the operators still running (a finished operator's rows
+    are dropped, and no copy of the basis is made per step):
     when the basis is full and an operator has not converged, it restarts from its top
     Ritz vector with an empty basis (explicit restart; the total number of products is
     still ``max_iter``). Each cycle's residual is that of its own Krylov space, so the
@@ -210,8 +212,8 @@ def operator_norm_krylov(
     cap = max_iter if basis is None else min(basis, max_iter)
     B = v0.shape[0]
     tiny = torch.finfo(v0.dtype).tiny
-    q = _normalize(v0)
-    Q: list[torch.Tensor] = []  # this cycle's Krylov basis
+    qa = _normalize(v0)  # the next basis vector of the operators still running (act)
+    Q: list[torch.Tensor] = []  # this cycle's Krylov basis, rows of the operators in act
     alphas = torch.zeros(B, cap, dtype=torch.float64)
     betas = torch.zeros(B, cap, dtype=torch.float64)
     sigma = torch.zeros(B, dtype=torch.float64)
@@ -222,17 +224,20 @@ def operator_norm_krylov(
     ritz: list[torch.Tensor] = [torch.ones(1, dtype=torch.float64)] * B
     act = torch.arange(B)
     for it in range(1, max_iter + 1):
-        Q.append(q)
+        Q.append(qa)
         m = len(Q)
-        qa = q[act]
-        w = rmatvec(matvec(qa, act), act) if subset else rmatvec(matvec(q))[act]
+        if subset:
+            w = rmatvec(matvec(qa, act), act)
+        else:  # every operator's row, the finished ones' zero
+            q = torch.zeros_like(v0)
+            q[act] = qa
+            w = rmatvec(matvec(q))[act]
         a = (w * qa).sum(1)
         w = w - a[:, None] * qa
         if m > 1:
-            w = w - betas[act, m - 2].to(w.dtype).to(w.device)[:, None] * Q[-2][act]
-        prior = [qi[act] for qi in Q]
+            w = w - betas[act, m - 2].to(w.dtype).to(w.device)[:, None] * Q[-2]
         for _ in range(2):  # full reorthogonalisation, twice is enough
-            for qi in prior:
+            for qi in Q:
                 w = w - (w * qi).sum(1)[:, None] * qi
         b = w.norm(dim=1)
         alphas[act, m - 1] = a.detach().double().cpu()
@@ -254,21 +259,24 @@ def operator_norm_krylov(
         last = bool(done.all()) or it == max_iter
         finished = newly if not last else (newly | ~done) & torch.isin(torch.arange(B), act)
         if out is not None:  # while this cycle's basis still holds their Ritz vectors
-            for k in finished.nonzero().flatten().tolist():
-                out[k] = _combine(ritz[k], Q, k, v0)
+            for p, k in enumerate(act.tolist()):
+                if finished[k]:
+                    out[k] = _combine(ritz[k], Q, p, v0)
         if last:
             break
         keep = ~newly[act]
         act, w, b = act[keep], w[keep], b[keep]
-        q = q.clone()
+        if not bool(keep.all()):  # drop the finished operators' rows, one vector at a time
+            for i in range(m):
+                Q[i] = Q[i][keep]
         if m == cap:  # the basis is full: restart from the top Ritz vectors
             Y = torch.stack([ritz[k] for k in act.tolist()]).to(v0.dtype).to(v0.device)
-            x = sum(Y[:, i, None] * Q[i][act] for i in range(m))
-            q[act] = _normalize(x)
+            x = sum(Y[:, i, None] * Q[i] for i in range(m))
+            qa = _normalize(x)
             Q = []
         else:
             safe = b.clamp_min(tiny)[:, None]
-            q[act] = torch.where((b > 0)[:, None], w / safe, torch.zeros_like(w))
+            qa = torch.where((b > 0)[:, None], w / safe, torch.zeros_like(w))
     return [
         Estimate(
             float(sigma[k]), int(iters[k]), bool(done[k]), float(rel[k]), "lanczos", float(res[k])
@@ -292,7 +300,7 @@ def _as_mask(m: torch.Tensor) -> torch.Tensor:
 
 
 def _combine(y: torch.Tensor, Q: list[torch.Tensor], k: int, like: torch.Tensor) -> torch.Tensor:
-    """``sum_i y_i Q_i[k]``: operator k's Ritz vector from the basis of its cycle."""
+    """``sum_i y_i Q_i[k]``: the Ritz vector of the operator in row k of its cycle's basis."""
     y = y.to(like.dtype).to(like.device)
     return sum(y[i] * Q[i][k] for i in range(len(y)))
 

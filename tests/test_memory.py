@@ -17,15 +17,16 @@ MiB = 2**20
 
 
 def test_every_operator_in_one_batch_when_they_fit_else_the_largest_chunk_that_does():
-    # 1 GiB floor, half of 64 GiB free: 1 GiB / 100 MiB = 10 operators per chunk.
-    assert _memory.chunk_size(8, 100 * MiB, 10 * MiB, 64 * 2**30) is None
-    assert _memory.chunk_size(25, 100 * MiB, 10 * MiB, 64 * 2**30) == 10
-    # Four forwards' activations above the floor: 4 x 1 GiB / 100 MiB = 40.
-    assert _memory.chunk_size(50, 100 * MiB, 2**30, 64 * 2**30) == 40
+    # 128 MiB floor, half of 64 GiB free: 128 MiB / 10 MiB = 12 operators per chunk.
+    assert _memory.chunk_size(8, 10 * MiB, 10 * MiB, 64 * 2**30) is None
+    assert _memory.chunk_size(25, 10 * MiB, 10 * MiB, 64 * 2**30) == 12
+    # One forward's activations above the floor: 1 GiB / 100 MiB = 10 (not four forwards').
+    assert _memory.chunk_size(50, 100 * MiB, 2**30, 64 * 2**30) == 10
     # Half of the free memory caps it: 300 MiB / 100 MiB = 3.
     assert _memory.chunk_size(50, 100 * MiB, 2**30, 600 * MiB) == 3
-    # Unknown free memory: the floor alone.
-    assert _memory.chunk_size(50, 100 * MiB, 10 * MiB, None) == 10
+    # Unknown free memory: the activations or the floor alone.
+    assert _memory.chunk_size(50, 10 * MiB, 10 * MiB, None) == 12
+    assert _memory.chunk_size(50, 100 * MiB, 2**30, None) == 10
 
 
 def test_the_chunk_is_never_zero_because_zero_means_no_batching_at_all():
@@ -127,3 +128,47 @@ def test_a_forward_plain_autograd_refuses_leaves_the_operators_in_one_batch(monk
 
     monkeypatch.setattr(_memory, "saved_bytes", refuse)
     assert _memory.auto_chunk_size(jac, 4) is None
+
+
+def test_saved_bytes_counts_every_saved_output_and_keeps_none_of_them():
+    w = torch.randn(64, 64, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(16, 64, dtype=torch.float64)
+    one = 16 * 64 * 8  # exp saves its output
+
+    def chain(w: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for _ in range(4):  # each output dies before the next (its address may come back)
+            total = total + torch.exp(x @ w).sum()
+        return total
+
+    # A graph that kept its saved tensors would hold four outputs: four storages.
+    assert _memory.saved_bytes(chain, w, exclude=[w, x]) == 4 * one
+
+    def backward(w: torch.Tensor) -> None:
+        torch.exp(x @ w).sum().backward()
+
+    with pytest.raises(RuntimeError, match="only measures"):  # nothing was kept to use
+        _memory.saved_bytes(backward, w, exclude=[w, x])
+
+
+def test_a_released_graph_is_rebuilt_without_its_checks_and_gives_the_same_products(
+    monkeypatch,
+):
+    probe = lp.attach(make(SharedBlockModel, R=3))
+    x = randn(2, 6)
+    jac = VisitJacobian(probe, x, probe.visits(x))
+    checks = []
+    f0 = VisitJacobian._F0_problems
+    monkeypatch.setattr(VisitJacobian, "_F0_problems", lambda s: checks.append(1) or f0(s))
+    V = torch.randn(2, jac.n_max, dtype=jac.dtype, generator=torch.Generator().manual_seed(3))
+    masks = jac.masks([[0], [0, 1, 2]])
+    before = (jac.matvec(V, masks), jac.matvec(V, masks), jac.rmatvec(jac.matvec(V, masks), masks))
+    assert len(checks) == 1
+    jac.release()
+    assert jac._vjp_fn is None and jac._jvp2 is None  # the graphs are gone
+    after = (jac.matvec(V, masks), jac.matvec(V, masks), jac.rmatvec(jac.matvec(V, masks), masks))
+    assert len(checks) == 1  # rebuilt by one forward, not checked again
+    # the first product before was forward mode (the adjointness check); the rest reverse
+    # over reverse, as every product after the rebuild
+    torch.testing.assert_close(before[0], after[0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])

@@ -5,9 +5,8 @@ with ``phi_j + delta_{r,j}`` (through the probe's session, the one parameter swa
 applies, for many *operators* at once, ``U t`` (one forward-mode JVP, batched with
 ``torch.vmap``) and ``U^T u`` (one VJP graph, built once and reused). An operator is a
 sublayer j and a subset S of its visits: ``t -> sum_{i in S} U_i t`` on ``R^{n_j}``.
-:func:`loopprobe.visit_function` is the public face of the same function; the
-sensitivity and alignment estimators use this class directly for the batched products.
-No dense Jacobian is formed. Definitions: docs/definitions.md (U, per-visit offsets).
+:func:`loopprobe.visit_function` is its public face. No dense Jacobian is formed.
+Definitions: docs/definitions.md (U, per-visit offsets).
 
 A forward that ``torch.func`` refuses (an old-style ``autograd.Function``,
 ``requires_grad_()`` in the forward, a tensor hook, ``autograd.grad`` inside) gets the same
@@ -67,9 +66,8 @@ class VisitJacobian:
         self.n = [self.groups[v.j].sublayer.numel for v in self.visits]
         self.n_max = max(g.sublayer.numel for g in self.groups)
         p0 = self.groups[0].params[0]
-        # Vectors are held in the widest dtype of the parameters (a float32 gate in a float64
-        # model keeps the float64 parameters' directions exact); each part is cast to its
-        # parameter's dtype in :meth:`unflatten`.
+        # Vectors in the widest dtype of the parameters (a float32 gate in a float64 model
+        # keeps float64 directions exact), each part cast to its own in :meth:`unflatten`.
         every = [p.dtype for g in self.groups for p in g.params if p.is_floating_point()]
         self.dtype = max(every, key=lambda d: torch.finfo(d).bits, default=p0.dtype)
         self.device = p0.device
@@ -98,16 +96,17 @@ class VisitJacobian:
         self.problems: list[str] = []
         self._jvp2: Any = None  # U t by reverse over reverse (:meth:`_reverse_jvp`)
         self._forward_checked = False  # a forward-mode product has run
+        self._checked = False  # vjp_fn has run its checks (F finite, F(0), dtypes) once
 
     def restricted(self, ks: Sequence[int]) -> VisitJacobian:
         """The same F with offsets at the selected visits ``ks`` only (the others compute
         with the plain parameters), sharing discovery, seed and checks: its JVP carries
         tangents from the first of them on and its VJP graph reaches back to it only, with
         weight gradients for them alone, so an operator over some visits costs their part of
-        the loop rather than all of it. Masks index ``ks`` in order. ``self``
-        where the products do not come from ``torch.func`` (plain autograd, functionalized
-        buffer writes): those keep their one graph."""
-        self.vjp_fn()
+        the loop rather than all of it. Masks index ``ks`` in order. ``self`` where the
+        products are not ``torch.func``'s (plain autograd, buffer writes): one graph."""
+        if not self._checked:
+            self.vjp_fn()
         if self.products is not None or self.buffer_writes is not None or self.jvp.reverse:
             return self
         sub = copy.copy(self)
@@ -189,8 +188,16 @@ class VisitJacobian:
             "when the visits were counted; the execution order is not reproducible"
         )
 
+    def release(self) -> None:
+        """Drop the VJP and reverse-over-reverse graphs while narrowed copies do the work;
+        the next product rebuilds them (one forward, no checks again). ``torch.func`` only."""
+        if self._checked and self.products is None and self.buffer_writes is None:
+            self._vjp_fn, self._jvp2 = None, None
+
     def vjp_fn(self) -> Any:
-        if self._vjp_fn is None:
+        if self._vjp_fn is None and self._checked:  # released: the graph again, no checks
+            self._vjp_by_transforms()
+        elif self._vjp_fn is None:
             try:
                 self._vjp_by_transforms()
             except RuntimeError as e:
@@ -207,6 +214,7 @@ class VisitJacobian:
                     + first_nonfinite_visit(self.probe, self.inputs, self.forward, self.seed)
                 )
             self.problems = self._F0_problems()
+            self._checked = True
         return self._vjp_fn
 
     def _vjp_by_transforms(self) -> None:
@@ -292,7 +300,6 @@ class VisitJacobian:
         except (RuntimeError, SystemError) as e:
             raise self._unusable(e) from None
 
-    # -- the F(0) invariant ------------------------------------------------------------
     def _F0_problems(self) -> list[str]:
         """``[]`` when F at zero offsets is the model's own output (one plain forward, no
         probe, same inputs and seed, grad enabled as in training), else one sentence."""

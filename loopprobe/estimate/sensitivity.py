@@ -240,10 +240,13 @@ def sensitivity_norms(
         method = choose_method(jac.n_max, max_iter, jac.dtype)
     basis = lanczos_basis(jac.n_max, max_iter, jac.dtype) if method == "lanczos" else 0
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    # the chunk first: its probing forward and the VJP graph are never held at once
+    chunk_size = auto_chunk_size(jac, len(ops)) if chunk_size is None else chunk_size
     jac.vjp_fn()
     assert jac.F0 is not None
     m = jac.F0.numel()
-    chunk_size = auto_chunk_size(jac, len(ops)) if chunk_size is None else chunk_size
+    if narrow:  # the first products run on narrowed copies: the whole graph can wait
+        jac.release()
     ranks = probe.ranks  # the global batch's operator (loopprobe.distributed)
     v0 = _start(jac, ops, keys, gen, start, call)
     v0 = v0 if ranks is None else ranks.mean(v0)  # the same start vectors on every rank
@@ -269,6 +272,8 @@ def sensitivity_norms(
     def run(rows: list[int]) -> list[Estimate]:  # in groups whose Krylov bases fit
         out: dict[int, Estimate] = {}
         for ks, part in _product_groups(visits, ops, rows, narrow):
+            if len(ks) < len(visits):  # the whole graph waits while a narrowed one works
+                jac.release()
             sub = jac if len(ks) == len(visits) else jac.restricted(ks)
             sub_masks = masks if sub is jac else masks[:, ks]  # restricted() may refuse
             for at in range(0, len(part), group):
