@@ -7,7 +7,8 @@ fresh subprocess, so one measurement's high-water mark cannot hide another's:
 * ``step``: the first AdamW training step of the model (forward, backward, the optimizer's
   state and update): the unit;
 * ``kappa``: one ``lp.visit_alignment`` call at error <= ``--tol`` (default 1e-2, a
-  monitor's) with the automatic chunk size, or ``--chunks`` given ones.
+  monitor's) with the automatic chunk size; ``--what`` adds ``low`` (``memory="low"``:
+  forward-mode products) or given chunk sizes (integers).
 
 Peak: the process's peak resident set (``ru_maxrss``) above its resident set just before the
 call (``/proc/self/statm``), MiB; CPU time of the call (``time.process_time``). ``--base``: an
@@ -15,7 +16,7 @@ older tree measured in the same run ("before"; e.g. ``git worktree add /tmp/mem_
 <commit>``).
 
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_memory.py --d 256 --R 4
-    nice -n 19 .venv/bin/python benchmarks/bench_kappa_memory.py --d 256 --R 4 --chunks auto,1
+    nice -n 19 .venv/bin/python benchmarks/bench_kappa_memory.py --d 256 --R 4 --what auto,low
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ if what == "step":
     opt.step()
     out = {}
 else:
-    kw = {} if what == "auto" else {"chunk_size": int(what)}
+    kw = {"auto": {}, "low": {"memory": "low"}}.get(what) or {"chunk_size": int(what)}
     rep = lp.visit_alignment(probe, idx, loss_fn, tol=tol, **kw)
     out = {"kappa": rep.kappa, "kappa_err": rep.kappa_err, "converged": bool(rep.converged)}
 cpu = time.process_time() - cpu
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--d", default="256", help="d_model values, comma-separated")
     ap.add_argument("--R", default="4", help="R values, comma-separated")
     ap.add_argument("--tol", type=float, default=1e-2, help="kappa's error bound")
-    ap.add_argument("--chunks", default="auto", help="chunk sizes: auto and/or integers")
+    ap.add_argument("--what", default="auto", help="auto, low and/or chunk sizes (integers)")
     ap.add_argument("--base", help="an older tree, measured in the same run as 'before'")
     args = ap.parse_args()
     trees = [("after", ROOT)] + ([("before", args.base)] if args.base else [])
@@ -83,9 +84,9 @@ def main() -> None:
             print(f"{d:>4} {R:>2} {'':>6} {'step':>9} {step['peak']:9.0f} {1:7.2f} "
                   f"{step['cpu']:7.1f}", flush=True)  # fmt: skip
             for name, tree in trees:
-                for what in args.chunks.split(","):
+                for what in args.what.split(","):
                     r = case(tree, d, R, args.tol, what)
-                    label = "kappa" if what == "auto" else f"chunk {what}"
+                    label = {"auto": "kappa", "low": "low"}.get(what, f"chunk {what}")
                     print(f"{d:>4} {R:>2} {name:>6} {label:>9} {r['peak']:9.0f} "
                           f"{r['peak'] / step['peak']:7.2f} {r['cpu']:7.1f} {r['kappa']:.6f} "
                           f"+- {r['kappa_err']:.1g} {'converged' if r['converged'] else 'NOT'}",

@@ -172,3 +172,26 @@ def test_a_released_graph_is_rebuilt_without_its_checks_and_gives_the_same_produ
     # over reverse, as every product after the rebuild
     torch.testing.assert_close(before[0], after[0], rtol=1e-12, atol=1e-12)
     assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+
+
+def test_low_memory_forms_every_product_in_forward_mode_and_gives_the_same_norms(monkeypatch):
+    probe = lp.attach(make(SharedBlockModel, R=3))
+    x = randn(2, 6)
+    full = sensitivity_norms(probe, x, max_iter=25)
+    seen = []
+    jvp_by_vjp = VisitJacobian._jvp_by_vjp
+    monkeypatch.setattr(
+        VisitJacobian, "_jvp_by_vjp", lambda s, v, m: seen.append(1) or jvp_by_vjp(s, v, m)
+    )
+    sensitivity_norms(probe, x, max_iter=25)
+    assert seen  # the default goes through the backward's graph
+    seen.clear()
+    low = sensitivity_norms(probe, x, max_iter=25, memory="low")
+    assert not seen  # no graph of the backward was built or used
+    pairs = [*zip(full.visit_norms, low.visit_norms, strict=True)]
+    pairs += [(full.tied_norms[j], low.tied_norms[j]) for j in full.tied_norms]
+    for a, b in pairs:
+        assert a.value == pytest.approx(b.value, rel=1e-10)
+        assert a.converged and b.converged
+    with pytest.raises(ValueError, match="memory='small'; choose 'full' or 'low'"):
+        sensitivity_norms(probe, x, memory="small")

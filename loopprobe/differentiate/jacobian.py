@@ -96,6 +96,7 @@ class VisitJacobian:
         self.problems: list[str] = []
         self._jvp2: Any = None  # U t by reverse over reverse (:meth:`_reverse_jvp`)
         self._forward_checked = False  # a forward-mode product has run
+        self.reverse_over_reverse = True  # False: every U t in forward mode (less memory)
         self._checked = False  # vjp_fn has run its checks (F finite, F(0), dtypes) once
 
     def restricted(self, ks: Sequence[int]) -> VisitJacobian:
@@ -121,7 +122,6 @@ class VisitJacobian:
         sub._vjp_by_transforms()
         return sub
 
-    # -- the function --------------------------------------------------------------
     def f(self, *deltas: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Flattened F, computing with ``deltas[k]`` (one tensor per parameter, the value
         ``phi_j + delta``) in place of ``phi_j`` at the k-th selected visit.
@@ -192,7 +192,7 @@ class VisitJacobian:
         """Drop the VJP and reverse-over-reverse graphs while narrowed copies do the work;
         the next product rebuilds them (one forward, no checks again). ``torch.func`` only."""
         if self._checked and self.products is None and self.buffer_writes is None:
-            self._vjp_fn, self._jvp2 = None, None
+            self._vjp_fn, self._jvp2 = None, (None if self._jvp2 is not False else False)
 
     def vjp_fn(self) -> Any:
         if self._vjp_fn is None and self._checked:  # released: the graph again, no checks
@@ -399,7 +399,7 @@ class VisitJacobian:
         mode, so the adjointness check of every product (``<U^T U v, v> = ||U v||^2``) still
         compares forward-mode tangents with the backward graph once per operator (a
         ``no_grad`` region after a visit shows there). ``None`` where it cannot be built."""
-        if self._jvp2 is None:
+        if self._jvp2 is None and self.reverse_over_reverse:
             assert self.F0 is not None
             try:
                 with torch.no_grad():

@@ -146,7 +146,8 @@ def visit_alignment(
     Every model evaluation runs with torch's RNG at ``seed`` (same dropout masks for G
     and every U product). See :func:`per_visit_updates` and :func:`sensitivity_norms`
     for the arguments (``loss_fn=None``: the model's own ``.loss``); ``memory="low"``
-    keeps only G norms and tied sums (no G Gram matrices in the report). ``start``: an
+    keeps only G norms and tied sums (no G Gram matrices in the report) and runs U's
+    products in forward mode (:func:`sensitivity_norms`). ``start``: an
     earlier report (or its ``sensitivity``) to warm-start the U estimates from
     (:func:`sensitivity_norms`; a training monitor).
 
@@ -200,6 +201,7 @@ def visit_alignment(
         warm_visits=warm_visits,
         stop=rule,
         narrow=narrow,
+        memory=memory,
     )
     if sens.keys and sens.keys != keys:
         raise RuntimeError(f"visit_alignment: operator order {sens.keys} is not {keys}")

@@ -173,6 +173,7 @@ def sensitivity_norms(
     warm_visits: bool | None = None,
     stop: StopRule | None = None,
     narrow: bool = True,
+    memory: str = "full",
 ) -> Sensitivity:
     """``||U_{r,j}||`` for every included visit and ``||sum_r U_{r,j}||`` for every sublayer.
 
@@ -227,13 +228,23 @@ def sensitivity_norms(
     offsets at the visits ``(r, .)`` only (:meth:`VisitJacobian.restricted`: one more
     forward per group, and its JVPs and VJPs do only the work from visit r on); ``False``:
     every product carries every visit (the same numbers, more work).
+    ``memory``: ``"full"`` (default) forms ``U t`` by reverse over reverse, through the graph
+    of the VJP's own backward (fastest; that graph is about one more forward's activations);
+    ``"low"`` by forward-mode JVPs, without it (the same numbers to roundoff; at d 256 R 4:
+    0.87x the peak for 1.6x the CPU time, benchmarks/bench_kappa_memory.py). Either way the
+    batched products run in chunks of one forward's activations and the whole graph waits
+    while narrowed groups run (:mod:`loopprobe._memory`: the peak stays near three training
+    steps').
     Reference: seed 002, Eq. 12 (``||U_{r,j}|| <= C_U beta/alpha``).
     """
     call = "sensitivity_norms"
     if method not in ("auto", "power", "lanczos"):
         raise ValueError(f"{call}: method={method!r}; choose 'auto', 'power' or 'lanczos'")
+    if memory not in ("full", "low"):
+        raise ValueError(f"{call}: memory={memory!r}; choose 'full' or 'low'")
     alone = visits is None  # every F-visible visit: Sigma_r U_r^T w is the whole use
     visits, jac = _visible_jacobian(probe, inputs, visits, forward, output, seed, call)
+    jac.reverse_over_reverse = memory == "full"
     ops, keys = _operators(visits)
     masks = jac.masks(ops)
     if method == "auto":
