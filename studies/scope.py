@@ -65,9 +65,10 @@ SCOPES: list[tuple[str, str, str, str]] = [
      "learned positions (not re-tuned), 6 seeds", "each arm's lr tuned on this backbone, or "
      "more seeds where an interval straddles the criterion"),
     ("deeploop", "DeepLoop (redesign): R = 7", "post-norm LoopedGPT d 32, K 2, R 7, 1000 steps, "
-     "clip 1, each arm at its best of 3 rates around its R = 7 pilot optimum, 6 seeds",
-     "a rate beyond an unbracketed optimum, or more seeds (docs/studies/deeploop.md, Second "
-     "redesign)"),
+     "clip 1, each arm at its best of 3-4 rates around its R = 7 pilot optimum (one rate added "
+     "beyond an end optimum), 6 seeds", "the two lr choices agreeing: at its pilot optimum "
+     "3e-3 DeepNorm stays on the floor in 3 of 6 seeds, so that interval spans 0; more seeds "
+     "there, or DeepNorm's pilot re-run on more seeds (docs/studies/deeploop.md)"),
     ("deeploop", "DeepLoop (redesign): whole claim", "post-norm LoopedGPT d 32, K 2, R 1, 3 "
      "and 7, 1000 steps, clip 1, each arm at its best of 3 rates per R, 6 seeds",
      "every part decided (docs/studies/deeploop.md, Second redesign)"),
