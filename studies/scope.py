@@ -70,7 +70,7 @@ SCOPES: list[tuple[str, str, str, str]] = [
      "3e-3 DeepNorm stays on the floor in 3 of 6 seeds, so that interval spans 0; more seeds "
      "there, or DeepNorm's pilot re-run on more seeds (docs/studies/deeploop.md)"),
     ("deeploop", "DeepLoop (redesign): whole claim", "post-norm LoopedGPT d 32, K 2, R 1, 3 "
-     "and 7, 1000 steps, clip 1, each arm at its best of 3 rates per R, 6 seeds",
+     "and 7, 1000 steps, clip 1, each arm at its best of 3 rates per R (3-4 at R = 7), 6 seeds",
      "every part decided (docs/studies/deeploop.md, Second redesign)"),
     ("deeploop", "DeepLoop (redesign)", "post-norm LoopedGPT d 32, K 2, R 1 and 3, 1000 steps, "
      "clip 1, each arm at its best of 3 rates (bracketed; the pilot's rates agree), 6 seeds",
