@@ -177,10 +177,14 @@ def test_second_redesign_judges_r7_and_the_whole_claim_only_when_its_cells_are_c
     study = _second_redesign_tree(tmp_path, gains)
     rows, notes = ra.redesign_verdicts(tmp_path)
     got = {c.split(",")[0] + "," + c.split(",")[1]: v for c, v, _ in rows}
-    assert got == {"vs post, each arm at its tuned lr: neutral at R = 1": "holds",
-                   "vs deepnorm, each arm at its tuned lr: neutral at R = 1": "fails",
-                   "R = 7, vs post": "holds", "R = 7, vs deepnorm": "holds",
-                   "whole claim, vs post": "holds", "whole claim, vs deepnorm": "fails"}
+    assert got == {
+        "vs post, each arm at its tuned lr: neutral at R = 1": "holds",
+        "vs deepnorm, each arm at its tuned lr: neutral at R = 1": "fails",
+        "R = 7, vs post": "holds",
+        "R = 7, vs deepnorm": "holds",
+        "whole claim, vs post": "holds",
+        "whole claim, vs deepnorm": "fails",
+    }
     assert notes == []
     whole = [m for c, _, m in rows if c.startswith("whole claim, vs deepnorm")][0]
     assert "R=3 improves fails" in whole and "R=7 improves holds" in whole

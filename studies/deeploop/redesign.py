@@ -11,6 +11,7 @@ as it finishes (one row per checkpoint), so an interrupted run resumes from the 
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign backbone # RoPE + embedding norm
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign pilot7   # lr pilot at R = 7
     nice -n 19 .venv/bin/python -m studies.deeploop.redesign study7   # lr study at R = 7
+    nice -n 19 .venv/bin/python -m studies.deeploop.redesign extend7  # its addendum rates
     .venv/bin/python -m studies.deeploop.redesign pilot --dry         # list what is left
 
 The lr-grid cells train with ``studies.deeploop.run.train_cell`` (the original design: clip

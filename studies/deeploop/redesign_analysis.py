@@ -196,9 +196,11 @@ def backbone_check(backbone: pd.DataFrame, study: pd.DataFrame, floor=None) -> p
     lrs = tuned(study, floor).set_index(["arm", "R"])["lr"].to_dict()
     new, old = compare_at(backbone, lrs, floor), compare_at(study, lrs, floor)
     old = old.set_index(["baseline", "R"])
-    new["learned_diff"] = [old.loc[(b, R), "diff"] for b, R in zip(new["baseline"], new["R"])]
+    new["learned_diff"] = [
+        old.loc[(b, R), "diff"] for b, R in zip(new["baseline"], new["R"], strict=True)
+    ]
     new["learned_verdict"] = [old.loc[(b, R), "verdict"]
-                              for b, R in zip(new["baseline"], new["R"])]  # fmt: skip
+                              for b, R in zip(new["baseline"], new["R"], strict=True)]  # fmt: skip
     return new
 
 
@@ -288,7 +290,8 @@ def second_redesign(root, t13: pd.DataFrame | None) -> tuple[list, list[str]]:
         return out, notes
     t7 = lr_study(c7, at_r(pilot, (7,)))
     extended = "; grid extended one rate beyond an end optimum (addendum) for " + (
-        ", ".join(f"{a} ({r[0]:g})" for (a, _), r in sorted(ext.items())) or "none")
+        ", ".join(f"{a} ({r[0]:g})" for (a, _), r in sorted(ext.items())) or "none"
+    )
     for b in dl.BASELINES:
         g = t7[t7["baseline"] == b]
         r = g.iloc[0]
