@@ -425,3 +425,38 @@ def test_the_bound_judges_the_step_of_the_training_optimizer_the_monitor_holds()
     got = values(mon.frame, "prediction").tolist()
     assert got == [adam.prediction] and values(mon.frame, "dF_true").tolist() == [adam.dF_true]
     assert abs(adam.prediction - sgd.prediction) > 1e-3 * abs(sgd.prediction)  # the test can fail
+
+
+def test_each_kappa_starts_from_the_last_ones_top_vectors_unless_told_cold(monkeypatch):
+    import loopprobe.monitor.diagnostics as diag
+
+    starts, reports = [], []
+    real = diag.visit_alignment
+
+    def spy(*args, **kwargs):
+        starts.append(kwargs.get("start"))
+        reports.append(real(*args, **kwargs))
+        return reports[-1]
+
+    monkeypatch.setattr(diag, "visit_alignment", spy)
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = Monitor(model, IDX, loss_fn, diagnostics=["kappa"], every=1)
+    gen = torch.Generator().manual_seed(3)
+    for step in (1, 2, 3):
+        train(model, opt, 1, gen)
+        mon.step(step)
+    assert starts[0] is None  # the first kappa starts cold, each next from the one before
+    assert starts[1:] == [reports[0].sensitivity, reports[1].sensitivity]
+    assert starts[1].vectors is not None
+    with lp.attach(model) as probe:  # the warm kappa is the cold one, inside both intervals
+        rep = lp.visit_alignment(probe, IDX, loss_fn, tol=KAPPA_TOL)
+    f = mon.frame[mon.frame.step == 3]
+    warm, err = values(f, "kappa_R")[0], values(f, "kappa_err")[0]
+    assert abs(warm - rep.kappa) <= err + rep.kappa_err
+    starts.clear()
+    opts = {"kappa": {"start": None}}
+    cold = Monitor(model, IDX, loss_fn, diagnostics=["kappa"], every=1, options=opts)
+    cold.step(1)
+    cold.step(2)
+    assert starts == [None, None]

@@ -75,9 +75,13 @@ class _Context:
 
 
 def _run_kappa(mon: Monitor, ctx: _Context) -> None:
-    # a diagnostic during training needs kappa to 1e-2, not to the last digit
-    kw = {"tol": KAPPA_TOL, **mon._kw("kappa", "forward", "output", "seed")}
+    # a diagnostic during training needs kappa to 1e-2, not to the last digit; each U starts
+    # from its top vector of the monitor's last kappa (options={"kappa": {"start": None}}:
+    # cold), which moves little once training settles (benchmarks/bench_kappa_warm.py)
+    kw = {"tol": KAPPA_TOL, "start": mon._kappa_start}
+    kw.update(mon._kw("kappa", "forward", "output", "seed"))
     rep = visit_alignment(mon.probe, mon.inputs, mon.loss_fn, update=mon.update, **kw)
+    mon._kappa_start = rep.sensitivity
     ctx.report = rep
     ctx.add("kappa_R", rep.kappa, converged=rep.converged, reason=rep.reason)
     ctx.add("kappa_bar", rep.kappa_bar, converged=rep.converged, reason=rep.reason)

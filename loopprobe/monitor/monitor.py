@@ -194,6 +194,7 @@ class Monitor:
         self.skipped: list[int] = []  # scheduled steps left out to keep within the budget
         self._runs = 0  # scheduled steps so far (for the per-diagnostic multipliers)
         self._warned: set[str] = set()  # diagnostics whose failure was already warned about
+        self._kappa_start: Any = None  # the last kappa's U: the next one's start vectors
         self._start: float | None = None  # the budget's clock: first step() call, time spent
         self._spent = 0.0
         self._frames: list[pd.DataFrame] = []
