@@ -49,7 +49,8 @@ if what == "step":
     opt.step()
     out = {}
 else:
-    kw = {"auto": {}, "low": {"memory": "low"}}.get(what) or {"chunk_size": int(what)}
+    kw = {"auto": {}, "low": {"memory": "low"}}.get(what)
+    kw = {"chunk_size": int(what)} if kw is None else kw
     rep = lp.visit_alignment(probe, idx, loss_fn, tol=tol, **kw)
     out = {"kappa": rep.kappa, "kappa_err": rep.kappa_err, "converged": bool(rep.converged)}
 cpu = time.process_time() - cpu
