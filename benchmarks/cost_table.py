@@ -17,13 +17,17 @@ of this tree:
   (``bench_spectral_radius.py --sizes 8x64``).
 * the default ``loopprobe report``: CPU-s per section and the process total
   (``bench_report.run_tree`` on this tree alone).
+* ``warm``: a monitor's kappa from the previous kappa's vectors against a cold one, d 64 R 4,
+  after 300 AdamW steps (``bench_kappa_warm.py --at 300``).
+* ``memory``: kappa's peak memory at d 256 R 4 over a first AdamW step's, by default and with
+  ``memory="low"`` (``bench_kappa_memory.py --what auto,low``).
 
 The README's "before" column came from the commits the issues measured; to set a before
 and an after side by side in one run use ``bench_kappa_cost.py --base`` and
 ``bench_report.py --baseline`` with a copy of the older tree. ``--quick``: d 64 only for
 kappa, d 256 R 4 for G, no d 512 (minutes instead of an hour on one loaded core).
 
-    nice -n 19 .venv/bin/python benchmarks/cost_table.py [--quick] [--rows G,kappa,sr,report]
+    nice -n 19 .venv/bin/python benchmarks/cost_table.py [--quick] [--rows G,kappa,warm,memory]
 """
 
 from __future__ import annotations
@@ -88,10 +92,18 @@ def sr_row() -> str:
     return proc.stdout.strip()
 
 
+def script_row(name: str, *args: str) -> str:
+    argv = [sys.executable, os.path.join(HERE, name), *args]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    return proc.stdout.strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the small sizes only")
-    ap.add_argument("--rows", default="G,kappa,sr,report", help="which rows, comma-separated")
+    ap.add_argument("--rows", default="G,kappa,sr,report,warm,memory", help="which rows")
     ap.add_argument("--max-iter", type=int, default=100)
     args = ap.parse_args()
     rows = set(args.rows.split(","))
@@ -116,6 +128,13 @@ def main() -> None:
     if "sr" in rows:
         print("spectral_radius, n 512 (CPU-s; bench_spectral_radius.py --sizes 8x64)")
         print("  " + sr_row().replace("\n", "\n  "), flush=True)
+    if "warm" in rows:
+        print("a monitor's kappa from the previous kappa's vectors (bench_kappa_warm.py)")
+        print("  " + script_row("bench_kappa_warm.py", "--at", "300").replace("\n", "\n  "))
+    if "memory" in rows:
+        print("kappa's peak memory (bench_kappa_memory.py)")
+        out = script_row("bench_kappa_memory.py", "--d", "256", "--R", "4", "--what", "auto,low")
+        print("  " + out.replace("\n", "\n  "), flush=True)
     if "report" in rows:
         r = bench_report.run_tree(ROOT, "")
         print("the default loopprobe report (CPU-s, one thread)")
