@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -81,7 +81,9 @@ def _run_kappa(mon: Monitor, ctx: _Context) -> None:
     kw = {"tol": KAPPA_TOL, "start": mon._kappa_start}
     kw.update(mon._kw("kappa", "forward", "output", "seed"))
     rep = visit_alignment(mon.probe, mon.inputs, mon.loss_fn, update=mon.update, **kw)
-    mon._kappa_start = rep.sensitivity
+    sens = rep.sensitivity  # its top vectors kept in host memory, off the training device
+    vectors = None if sens.vectors is None else sens.vectors.detach().cpu()
+    mon._kappa_start = replace(sens, vectors=vectors, UTw={})
     ctx.report = rep
     ctx.add("kappa_R", rep.kappa, converged=rep.converged, reason=rep.reason)
     ctx.add("kappa_bar", rep.kappa_bar, converged=rep.converged, reason=rep.reason)
