@@ -20,8 +20,9 @@ graph of one forward (about ``A``) and the graph of its backward, which gives ``
 reverse over reverse (about ``A`` again), and while the visits of one visit number run on
 their narrowed copy the whole graph is dropped
 (:meth:`~loopprobe.differentiate.jacobian.VisitJacobian.release`). So the peak stays near
-three training steps' (benchmarks/bench_kappa_memory.py: d 256 R 4, 2.8x one AdamW step;
-four activations per chunk gave 4.0x at the same CPU time). Then
+three training steps' (benchmarks/bench_kappa_memory.py, kappa to 1e-2 against a first AdamW
+step: d 256 R 4 2.75x, R 8 3.11x, d 512 R 4 3.66x; 4.5x, 4.2x and 4.9x with four activations
+per chunk and the graph held throughout). Then
 ``chunk = budget // per_operator``, at least 1; when every operator fits the answer is
 ``None`` (one batch, no chunking). Chunking never changes the numbers, only how many
 operators ``torch.vmap`` carries at once. When the free memory cannot be read the budget is
