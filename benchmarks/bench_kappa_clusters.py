@@ -21,62 +21,30 @@ worktree`` of the tree before it) with cold and with warm starts (``warm_visits`
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from bench_kappa_cost import worker_json  # noqa: E402
 
 WORKER = r"""
 import json, sys
 import torch
-from torch.func import jacrev
 import loopprobe as lp
-from loopprobe.models import LinearLoop, LinearLoopConfig
 torch.set_num_threads(1)
 warm = sys.argv[1] == "warm"
-
-class SmallSteps(torch.nn.Module):
-    def __init__(self, R, eps=1e-6):
-        super().__init__()
-        self.R, self.eps = R, eps
-        self.W = torch.nn.Linear(8, 8, bias=False)
-    def forward(self, x):
-        for _ in range(self.R):
-            x = x + self.eps * self.W(x)
-        return x
-
-def top_sv(A):
-    return float(torch.linalg.matrix_norm(A, ord=2))
+sys.path.insert(0, sys.argv[2] + "/tests")  # this tree's family and oracle, any tree's library
+from _small_steps import exact_small_step_kappa, family_member
 
 rows = []
 for R in (2, 3, 4, 5, 6, 8):
     for kind in ("lp", "plain"):
         for seed in (0, 1, 2):
-            d, eps = 8, 1e-6
-            if kind == "lp":
-                gen = torch.Generator().manual_seed(R + 100 * seed)
-                model = LinearLoop(LinearLoopConfig(d=d, R=R, eps=eps), generator=gen).double()
-            else:
-                torch.manual_seed(R + 100 * seed)
-                model = SmallSteps(R).double()
-            x = torch.randn(3, d, generator=torch.Generator().manual_seed(7 + seed),
-                            dtype=torch.float64)
-            y = torch.randn(x.shape, generator=torch.Generator().manual_seed(11 + seed),
-                            dtype=torch.float64)
-            W = model.W.weight.detach()
-            def untied(Ws):
-                h = x
-                for r in range(R):
-                    h = h + eps * h @ Ws[r].T
-                return h.reshape(-1)
-            J = jacrev(untied)(W.expand(R, d, d).clone())
-            Us = [J[:, r].reshape(J.shape[0], -1) for r in range(R)]
-            Gs = [U.t() @ (untied(W.expand(R, d, d)) - y.reshape(-1)) for U in Us]
-            exact = top_sv(sum(Us)) * float(sum(Gs).norm())
-            exact /= R * max(top_sv(U) for U in Us) * max(float(g.norm()) for g in Gs)
+            model, x, y = family_member(R, kind, seed)
+            exact = exact_small_step_kappa(model, x, y, R)
             rep = lp.visit_alignment(
                 lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
                 method="lanczos", max_iter=30, warm_visits=warm)
@@ -92,12 +60,7 @@ print(json.dumps(rows))
 
 
 def run(tree: str, mode: str) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-c", WORKER, mode]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tree)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-2000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_json(WORKER, tree, mode, ROOT)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -61,13 +62,19 @@ print(json.dumps({"step": min(times), "cpu": cpu, "products": sum(its), "iterati
 """
 
 
-def case(tree: str, d: int, R: int, tol: float, max_iter: int) -> dict:
+def worker_json(worker: str, tree: str, *args: object) -> Any:
+    """Run ``worker`` (Python source) in a fresh process on the library of ``tree``, one
+    thread, with ``args`` as its argv; the JSON its last printed line holds."""
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-c", WORKER, tree, str(d), str(R), str(tol), str(max_iter)]
+    argv = [sys.executable, "-c", worker, *map(str, args)]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tree)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def case(tree: str, d: int, R: int, tol: float, max_iter: int) -> dict:
+    return worker_json(WORKER, tree, tree, d, R, tol, max_iter)
 
 
 def main() -> None:

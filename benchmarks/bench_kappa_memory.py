@@ -22,13 +22,14 @@ older tree measured in the same run ("before"; e.g. ``git worktree add /tmp/mem_
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from bench_kappa_cost import worker_json  # noqa: E402
 
 WORKER = r"""
 import json, resource, sys, time
@@ -60,12 +61,7 @@ print(json.dumps({"peak": peak / 2**20, "cpu": cpu, **out}))
 
 
 def case(tree: str, d: int, R: int, tol: float, what: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-c", WORKER, tree, str(d), str(R), str(tol), what]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tree)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-2000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return worker_json(WORKER, tree, tree, d, R, tol, what)
 
 
 def main() -> None:

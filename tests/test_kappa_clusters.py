@@ -10,27 +10,9 @@ caveat of :func:`loopprobe.linalg.norm_bounds`). The family of
 from __future__ import annotations
 
 import pytest
-import torch
-from test_kappa_err import SmallSteps, exact_small_step_kappa
+from _small_steps import exact_small_step_kappa, family_member
 
 import loopprobe as lp
-from loopprobe.models import LinearLoop, LinearLoopConfig
-
-D, EPS = 8, 1e-6
-
-
-def family_member(R: int, kind: str, seed: int):
-    """The model, inputs and targets of ``bench_kappa_clusters.py`` for (R, kind, seed)."""
-    if kind == "lp":
-        gen = torch.Generator().manual_seed(R + 100 * seed)
-        model = LinearLoop(LinearLoopConfig(d=D, R=R, eps=EPS), generator=gen).double()
-    else:
-        torch.manual_seed(R + 100 * seed)
-        model = SmallSteps(R).double()
-    x = torch.randn(3, D, generator=torch.Generator().manual_seed(7 + seed), dtype=torch.float64)
-    gen_y = torch.Generator().manual_seed(11 + seed)
-    y = torch.randn(x.shape, generator=gen_y, dtype=torch.float64)
-    return model, x, y
 
 
 @pytest.mark.parametrize("warm", [False, True])

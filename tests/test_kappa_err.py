@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _small_steps import exact_small_step_kappa, family_member
 from test_sensitivity import dense_blocks, top_sv
 from thirdparty_models import ForLoopModel, SharedBlockModel, make, randn
 
@@ -238,62 +239,11 @@ def test_a_visit_that_missed_its_top_singular_value_is_caught_not_reported_as_co
     assert not visits_contradict((2.3, 2.6), [(1.0, 1.1), (1.2, 1.3)], EPS)
 
 
-class SmallSteps(torch.nn.Module):
-    """Written the way third-party code is: one Linear applied R times, h + eps W h."""
-
-    def __init__(self, R: int, eps: float = 1e-6):
-        super().__init__()
-        self.R, self.eps = R, eps
-        self.W = torch.nn.Linear(8, 8, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for _ in range(self.R):
-            x = x + self.eps * self.W(x)
-        return x
-
-
-def exact_small_step_kappa(model, x, y, R: int, eps: float = 1e-6) -> float:
-    """kappa of a small-step loop ``h + eps h W^T`` (square loss) from the dense Jacobian of
-    its untied twin (one weight per visit): the oracle of the cluster tests."""
-    from torch.func import jacrev
-
-    W = model.W.weight.detach()
-    d = W.shape[0]
-
-    def untied(Ws):
-        h = x
-        for r in range(R):
-            h = h + eps * h @ Ws[r].T
-        return h.reshape(-1)
-
-    J = jacrev(untied)(W.expand(R, d, d).clone())
-    Us = [J[:, r].reshape(J.shape[0], -1) for r in range(R)]
-    Gs = [U.t() @ (untied(W.expand(R, d, d)) - y.reshape(-1)) for U in Us]
-    kappa = top_sv(sum(Us)) * float(sum(Gs).norm())
-    return kappa / (R * max(top_sv(U) for U in Us) * max(float(g.norm()) for g in Gs))
-
-
-def cluster_loop(R: int, kind: str = "lp"):
-    """Small steps x + eps W x (eps 1e-6), as lp.models.LinearLoop or a plain module, with
-    inputs and targets."""
-    from loopprobe.models import LinearLoop, LinearLoopConfig
-
-    if kind == "lp":
-        cfg = LinearLoopConfig(d=8, R=R, eps=1e-6)
-        model = LinearLoop(cfg, generator=torch.Generator().manual_seed(R)).double()
-    else:
-        torch.manual_seed(R)
-        model = SmallSteps(R).double()
-    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    y = torch.randn(x.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-    return model, x, y
-
-
 def test_an_operator_still_beaten_after_the_restarts_is_named_and_not_converged(monkeypatch):
     from loopprobe.estimate import sensitivity_runs
 
     monkeypatch.setattr(sensitivity_runs, "REPAIR_ROUNDS", 0)  # no restart: what is left
-    model, x, y = cluster_loop(4)
+    model, x, y = family_member(4, "lp", 0)
     rep = lp.visit_alignment(
         lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
         method="lanczos", max_iter=30,
@@ -311,7 +261,7 @@ def test_a_cluster_of_equal_top_singular_values_is_repaired_within_the_certified
     # came out 1.9999972 with a certified interval below the exact 1.9999987 (a wrong number
     # marked converged), and at R 4, 8 the tied norm's lower end beat the visits' sum (not
     # converged). Restarts from each other's top vectors make them consistent.
-    model, x, y = cluster_loop(R, kind)
+    model, x, y = family_member(R, kind, 0)
     exact = exact_small_step_kappa(model, x, y, R)
     rep = lp.visit_alignment(
         lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
