@@ -427,7 +427,18 @@ def test_the_bound_judges_the_step_of_the_training_optimizer_the_monitor_holds()
     assert abs(adam.prediction - sgd.prediction) > 1e-3 * abs(sgd.prediction)  # the test can fail
 
 
-def test_each_kappa_starts_from_the_last_ones_top_vectors_unless_told_cold(monkeypatch):
+def _gpt_case():
+    return tiny(), IDX, loss_fn
+
+
+def _third_party_case():
+    from thirdparty_models import SharedBlockModel, make, randn
+
+    return make(SharedBlockModel, R=4), randn(3, 6), lambda out, inputs: (out**2).sum()
+
+
+@pytest.mark.parametrize("case", [_gpt_case, _third_party_case], ids=["LoopedGPT", "third-party"])
+def test_each_kappa_starts_from_the_last_ones_top_vectors_unless_told_cold(monkeypatch, case):
     import loopprobe.monitor.diagnostics as diag
 
     starts, reports = [], []
@@ -439,25 +450,26 @@ def test_each_kappa_starts_from_the_last_ones_top_vectors_unless_told_cold(monke
         return reports[-1]
 
     monkeypatch.setattr(diag, "visit_alignment", spy)
-    model = tiny()
+    model, inputs, lossf = case()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mon = Monitor(model, IDX, loss_fn, diagnostics=["kappa"], every=1)
-    gen = torch.Generator().manual_seed(3)
+    mon = Monitor(model, inputs, lossf, diagnostics=["kappa"], every=1)
     for step in (1, 2, 3):
-        train(model, opt, 1, gen)
+        opt.zero_grad()
+        lossf(model(inputs), inputs).backward()
+        opt.step()
         mon.step(step)
     assert starts[0] is None  # the first kappa starts cold, each next from the one before
     for start, rep in zip(starts[1:], reports[:2], strict=True):
         assert start.keys == rep.sensitivity.keys
         assert torch.equal(start.vectors, rep.sensitivity.vectors.cpu())  # kept on the host
     with lp.attach(model) as probe:  # the warm kappa is the cold one, inside both intervals
-        rep = lp.visit_alignment(probe, IDX, loss_fn, tol=KAPPA_TOL)
+        rep = lp.visit_alignment(probe, inputs, lossf, tol=KAPPA_TOL)
     f = mon.frame[mon.frame.step == 3]
     warm, err = values(f, "kappa_R")[0], values(f, "kappa_err")[0]
     assert abs(warm - rep.kappa) <= err + rep.kappa_err
     starts.clear()
     opts = {"kappa": {"start": None}}
-    cold = Monitor(model, IDX, loss_fn, diagnostics=["kappa"], every=1, options=opts)
+    cold = Monitor(model, inputs, lossf, diagnostics=["kappa"], every=1, options=opts)
     cold.step(1)
     cold.step(2)
     assert starts == [None, None]
