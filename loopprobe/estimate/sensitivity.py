@@ -231,7 +231,7 @@ def sensitivity_norms(
     ``memory``: ``"full"`` (default) forms ``U t`` by reverse over reverse, through the graph
     of the VJP's own backward (fastest; that graph is about one more forward's activations);
     ``"low"`` by forward-mode JVPs, without it (the same numbers to roundoff; at d 256 R 4:
-    0.87x the peak for 1.6x the CPU time, benchmarks/bench_kappa_memory.py). Either way the
+    0.79x the peak for 1.7x the CPU time, benchmarks/bench_kappa_memory.py). Either way the
     batched products run in chunks of one forward's activations and the whole graph waits
     while narrowed groups run (:mod:`loopprobe._memory`: the peak stays near three training
     steps').
