@@ -7,9 +7,10 @@ trains k more steps and kappa is measured twice, from that kappa's top vectors (
 what :class:`loopprobe.Monitor` does between its scheduled steps) and cold; the model and
 optimizer state are then put back, so every k starts from the same point. Printed: operator
 products (Lanczos iterations over the visit and tied operators), CPU seconds, both kappas
-with the cold one's error bound, and the |cos| between each operator's top right singular
-vector at the two points (its minimum and median over operators): a start helps as much as
-it overlaps the new top vector.
+with the cold one's error bound, the CPU seconds in training steps (``warm st``, ``cold
+st``: one AdamW step of the same model and batch, measured first on a copy), and the |cos|
+between each operator's top right singular vector at the two points (its minimum and median
+over operators): a start helps as much as it overlaps the new top vector.
 
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_warm.py
 """
@@ -42,6 +43,21 @@ def overlap(a: lp.AlignmentReport, b: lp.AlignmentReport) -> torch.Tensor:
     return (A * B).sum(1).abs() / (A.norm(dim=1) * B.norm(dim=1))
 
 
+def train_step_cpu(model, idx, loss_fn, lr: float) -> float:
+    """CPU seconds of one AdamW training step (the minimum of 5 after one warm-up), on a
+    copy of the model: the columns ``warm st``/``cold st`` are kappa's CPU in these units."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    times = []
+    for _ in range(6):
+        t = time.process_time()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(idx), idx).backward()
+        opt.step()
+        times.append(time.process_time() - t)
+    return min(times[1:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=64)
@@ -68,9 +84,12 @@ def main() -> None:
         rep = lp.visit_alignment(probe, idx, loss_fn, tol=args.tol, start=start)
         return rep, time.process_time() - t
 
-    print(f"d {args.d} R {args.R}, AdamW lr {args.lr:g}, kappa error <= {args.tol:g}, one thread")
+    unit = train_step_cpu(model, idx, loss_fn, args.lr)
+    print(f"d {args.d} R {args.R}, AdamW lr {args.lr:g}, kappa error <= {args.tol:g}, one thread;"
+          f" a training step {unit:.4f} CPU-s (min of 5, on a copy)")  # fmt: skip
     head = f"{'step':>5} {'+k':>3} {'loss':>6} {'warm prod':>9} {'cold prod':>9} {'warm s':>6} "
-    print(head + f"{'cold s':>6} {'kappa warm':>10} {'kappa cold':>10} {'err':>7} cos min  median")
+    head += f"{'cold s':>6} {'warm st':>7} {'cold st':>7} "
+    print(head + f"{'kappa warm':>10} {'kappa cold':>10} {'err':>7} cos min  median")
     trained = 0
     for at in [int(x) for x in args.at.split(",")]:
         while trained < at:
@@ -86,7 +105,8 @@ def main() -> None:
             cold, cpu_c = kappa()
             cos = overlap(before, cold)
             print(f"{at:>5} {k:>3} {loss:6.3f} {products(warm):9d} {products(cold):9d} "
-                  f"{cpu_w:6.1f} {cpu_c:6.1f} {warm.kappa:10.5f} {cold.kappa:10.5f} "
+                  f"{cpu_w:6.1f} {cpu_c:6.1f} {cpu_w / unit:7.0f} {cpu_c / unit:7.0f} "
+                  f"{warm.kappa:10.5f} {cold.kappa:10.5f} "
                   f"{cold.kappa_err:7.1g} {float(cos.min()):7.3f} {float(cos.median()):7.4f}",
                   flush=True)  # fmt: skip
             with torch.no_grad():

@@ -50,6 +50,7 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     outside_reads,
     precision_note,
     repair_tops,
+    visits_on_tied,
 )
 from loopprobe.linalg import Estimate, StopRule
 from loopprobe.precision import lowest_precision
@@ -299,10 +300,14 @@ def sensitivity_norms(
         found.update(zip(phase, run(phase), strict=True))
     again = torch.Generator(device=gen.device).manual_seed(gen.initial_seed() + 1)
     n_of = [jac.n[ks[0]] for ks in ops]
-    tops = clustered_tops(jac, masks, visits, keys, vectors, found, low, chunk_size, ranks)
+    on_tied = [visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks)]
+    tops = clustered_tops(visits, keys, vectors, found, low, on_tied[0])
     second_starts(run, v0, vectors, found, tops, n_of, again, ranks)
     near = {visits[b].j for b in tops}  # sublayers with a cluster seen: neighbours too
-    check = partial(beaten, jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near)
+
+    def check() -> dict:  # the first reads the products on the tied vectors (still theirs)
+        return beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near,
+                      on_tied.pop() if on_tied else None)  # fmt: skip
 
     def unmet() -> list[int]:  # operators the stopping rule would not stop now
         if stop is None:

@@ -21,7 +21,7 @@ from loopprobe.estimate.sensitivity_runs import _rerun, default_tol
 CLUSTER_TOLS = 100
 
 
-def clustered_tops(jac, masks, visits, keys, vectors, found, dtype, chunk_size, ranks) -> list:
+def clustered_tops(visits, keys, vectors, found, dtype, on_tied) -> list:
     """The largest visit of each sublayer with a tied operator whose top singular value is
     shown to be clustered by the tied operator's top vector.
 
@@ -33,9 +33,10 @@ def clustered_tops(jac, masks, visits, keys, vectors, found, dtype, chunk_size, 
     a Krylov run can settle on a lower member with a small residual and every vector of the
     cross-check of :func:`~loopprobe.estimate.sensitivity_runs.beaten` can lie in the same
     lower members. Parallel vectors (aligned visits) say nothing and flag nothing, nor does
-    a largest visit not converged (its result is not certified anyway). One batched call,
-    one JVP per sublayer (applying it to every visit's vector too, with the neighbour rows
-    of ``beaten`` always on, cost a quarter more CPU on a d 64 R 4 LoopedGPT kappa)."""
+    a largest visit not converged (its result is not certified anyway). ``on_tied``: the
+    products ``{(b, t): ||U_b u||^2}`` of
+    :func:`~loopprobe.estimate.sensitivity_runs.visits_on_tied`, which the cross-check of
+    ``beaten`` reads too: this test makes no product of its own."""
     tau = CLUSTER_TOLS * default_tol(dtype, "lanczos")
     rows, cols = [], []
     for t, key in enumerate(keys):
@@ -46,22 +47,16 @@ def clustered_tops(jac, masks, visits, keys, vectors, found, dtype, chunk_size, 
         if found[top].converged:  # not converged: not certified anyway, nothing to add
             rows.append(top)
             cols.append(t)
-    if not rows:
-        return []
-    V = vectors[cols].double()
-    V = V / V.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    sq = jac.matvec(V.to(vectors.dtype), masks[rows], chunk_size).double().square().sum(1)
-    sq = sq if ranks is None else ranks.sum(sq)
     out = []
-    for q, b in enumerate(rows):
-        v = vectors[b].double()
-        a = float(V[q] @ (v / v.norm().clamp_min(1e-300)))
+    for b, t in zip(rows, cols, strict=True):
+        u, v = vectors[t].double(), vectors[b].double()
+        a = float((u / u.norm().clamp_min(1e-300)) @ (v / v.norm().clamp_min(1e-300)))
         c2 = max(1.0 - a * a, 0.0)
         s2, res = found[b].value ** 2, found[b].residual
         if c2 < tau or not s2 > 0 or math.isnan(res):  # parallel: no second direction seen
             continue
         cross = 2 * abs(a) * c2**0.5 * res * s2
-        quotient = (float(sq[q]) - a * a * s2 + cross) / c2  # an upper end of q
+        quotient = (on_tied[b, t] - a * a * s2 + cross) / c2  # an upper end of q
         if quotient >= s2 * (1 - tau):
             out.append(b)
     return out

@@ -84,6 +84,11 @@ class RunContext:
 #: vector (``warm_visits``): a top direction that vector misses can still be found (the
 #: Krylov caveat: the start must overlap the top singular vector).
 VISIT_NOISE = 0.1
+#: The same for a tied operator started from its visits' top vectors: smaller, because its
+#: upper end is mostly the visits' sum (:func:`~loopprobe.estimate.kappa_bounds.tied_top`)
+#: and its first product then gives the lower end; where its own upper end is in use the
+#: cross-check (:func:`beaten`) applies it to each visit's vector.
+TIED_NOISE = 0.01
 #: ``warm_visits=None`` turns the warm starts on from this operator size (parameters).
 WARM_VISITS_N = 16384
 
@@ -120,7 +125,8 @@ def _warm_start(phase, visits, keys, found, vectors, v0) -> None:
             top = sum(
                 found[c].value * torch.sign((vectors[c] * ref).sum()) * vectors[c] for c in prior
             )
-        v0[b] = top / top.norm().clamp_min(1e-300) + VISIT_NOISE * v0[b] / v0[b].norm()
+        noise = VISIT_NOISE if key[0] == "visit" else TIED_NOISE
+        v0[b] = top / top.norm().clamp_min(1e-300) + noise * v0[b] / v0[b].norm()
 
 
 def _start(jac, ops, keys, gen, start, call) -> torch.Tensor:
@@ -188,7 +194,37 @@ def rounding_slack(eps: float) -> float:
     return max(ROUNDOFF_EPS * eps, eps**0.5)
 
 
-def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near=()) -> dict:
+def cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None) -> list[float]:
+    """``||A_b v_c||^2`` for each pair ``(b, c) = (rows[q], cols[q])``: operator b applied to
+    the unit top vector of operator c, one batched JVP over the pairs not in ``known`` (a
+    dict ``{(b, c): value}`` of products already made on the same vectors)."""
+    known = {} if known is None else known
+    todo = [q for q, pair in enumerate(zip(rows, cols, strict=True)) if pair not in known]
+    if todo:
+        V = vectors[[cols[q] for q in todo]].double()
+        V = (V / V.norm(dim=1, keepdim=True).clamp_min(1e-300)).to(vectors.dtype)
+        sq = jac.matvec(V, masks[[rows[q] for q in todo]], chunk_size).double().square().sum(1)
+        sq = sq if ranks is None else ranks.sum(sq)
+        made = zip(todo, sq.tolist(), strict=True)
+        known = {**known, **{(rows[q], cols[q]): float(x) for q, x in made}}
+    return [known[pair] for pair in zip(rows, cols, strict=True)]
+
+
+def visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks) -> dict:
+    """``{(b, t): ||U_b v_t||^2}``: every visit b of a sublayer with a tied operator t applied
+    to t's unit top vector, one batched JVP; the products both
+    :func:`~loopprobe.estimate.sensitivity_clusters.clustered_tops` and the first
+    :func:`beaten` read (made once, before either)."""
+    pairs = [(b, t) for t, key in enumerate(keys) if key[0] == "tied"
+             for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]]  # fmt: skip
+    rows, cols = [b for b, _ in pairs], [t for _, t in pairs]
+    sq = cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks) if pairs else []
+    return dict(zip(pairs, sq, strict=True))
+
+
+def beaten(
+    jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near=(), known=None
+) -> dict:
     """Operators that missed their top singular value, seen from the others' top vectors.
 
     A Krylov run settles on *a* singular value (its residual certificate says which is
@@ -210,9 +246,13 @@ def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, nea
         if key[0] != "tied":
             continue
         mine = [b for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]]
+        # the tied upper end in use: its own, or sum_r hi_r when that is no larger, which
+        # holds the exact norm whatever the tied run found (the triangle inequality)
+        own = norm_bounds(found[t].value, found[t].residual, eps)[1]
+        tied_own = own < sum(norm_bounds(found[b].value, found[b].residual, eps)[1] for b in mine)
         for b in mine:
-            rows += [t, b]
-            cols += [b, t]
+            rows += [t, b] if tied_own else [b]
+            cols += [b, t] if tied_own else [t]
         mine.sort(key=lambda b: visits[b].r)
         pairs = zip(mine[:-1], mine[1:], strict=True) if key[1] in near else []
         for a, b in pairs:  # neighbouring visits, each to the other's vector
@@ -220,10 +260,8 @@ def beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, nea
             cols += [b, a]
     if not rows:
         return {}
-    V = vectors[cols]
-    V = V / V.norm(dim=1, keepdim=True).clamp_min(1e-300)
-    sq = jac.matvec(V, masks[rows], chunk_size).double().square().sum(1)
-    norms = (sq if ranks is None else ranks.sum(sq)).sqrt().tolist()
+    sq = cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks, known)
+    norms = [x**0.5 for x in sq]
     out: dict[int, tuple[float, int]] = {}
     for b, c, value in zip(rows, cols, norms, strict=True):
         hi = norm_bounds(found[b].value, found[b].residual, eps)[1]

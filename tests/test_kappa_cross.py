@@ -1,0 +1,97 @@
+"""The cross-check of kappa's operators: which products it makes, and that none is made twice.
+
+``beaten`` applies each sublayer's operators to each other's top vectors. The tied operator
+on its visits' vectors is needed only while the tied norm's own upper end is in use: where
+``sum_r hi_r`` is no larger, that sum holds the exact tied norm whatever the tied run found.
+The visits on the tied vector are made once and read by both ``clustered_tops`` and the
+first ``beaten``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from thirdparty_models import ForLoopModel, make, randn
+
+import loopprobe as lp
+from loopprobe.estimate import sensitivity_runs
+from loopprobe.linalg import Estimate
+
+EPS = float(torch.finfo(torch.float64).eps)
+
+
+class TableJac:
+    """``U_b v_c`` with the norm ``table[b, c]``: every operator's top vector is a basis
+    vector ``e_c``, so the column of a product is read off the vector it gets."""
+
+    def __init__(self, table: dict):
+        self.table, self.made = table, []
+
+    def matvec(self, V, ops, chunk_size):
+        out = torch.zeros(len(V), 3, dtype=torch.float64)
+        for q, (v, b) in enumerate(zip(V, ops[:, 0].tolist(), strict=True)):
+            c = int(v.abs().argmax())
+            self.made.append((b, c))
+            out[q, 0] = self.table.get((b, c), 0.0)
+        return out
+
+
+def _run(tied_value: float, tied_residual: float, table: dict):
+    visits = [SimpleNamespace(j=0, r=0), SimpleNamespace(j=0, r=1)]
+    keys = [("visit", 0), ("visit", 1), ("tied", 0)]
+    found = {
+        0: Estimate(1.0, 5, True, 0.0, "lanczos", 1e-4),
+        1: Estimate(1.0, 5, True, 0.0, "lanczos", 1e-4),
+        2: Estimate(tied_value, 2, True, 0.0, "lanczos", tied_residual),
+    }
+    jac = TableJac(table)
+    masks = torch.arange(3)[:, None]
+    out = sensitivity_runs.beaten(jac, masks, visits, keys, torch.eye(3), found, EPS, None, None)
+    return out, sorted(jac.made)
+
+
+def test_the_tied_operator_is_checked_only_while_its_own_upper_end_is_in_use():
+    # residual 0.5 > TRUST_RESIDUAL: own upper end infinite, the visits' sum (about 2.0001)
+    # holds the tied norm; a tied product of 3 on a visit's vector cannot happen then (the
+    # triangle inequality), so no product of the tied operator is made
+    out, made = _run(1.99, 0.5, {(2, 0): 3.0})
+    assert made == [(0, 2), (1, 2)] and out == {}
+    # a tight tied estimate (own upper end 1.5 < 2.0001) is the end in use: it is checked,
+    # and a visit's vector that beats it is found
+    out, made = _run(1.5, 1e-6, {(2, 0): 1.7})
+    assert made == [(0, 2), (1, 2), (2, 0), (2, 1)] and out == {2: 0}
+
+
+def test_products_already_made_on_the_same_vectors_are_not_made_again():
+    out, made = _run(1.99, 0.5, {})
+    known = {(0, 2): 1.0, (1, 2): 1.0}
+    visits = [SimpleNamespace(j=0, r=0), SimpleNamespace(j=0, r=1)]
+    keys = [("visit", 0), ("visit", 1), ("tied", 0)]
+    jac = TableJac({})
+    on_tied = sensitivity_runs.visits_on_tied(jac, torch.arange(3)[:, None], visits, keys,
+                                              torch.eye(3), None, None)  # fmt: skip
+    assert sorted(jac.made) == [(0, 2), (1, 2)] and set(on_tied) == set(known)
+    jac.made.clear()
+    norms = sensitivity_runs.cross_norms(
+        jac, torch.arange(3)[:, None], torch.eye(3), [0, 1, 2], [2, 2, 0], None, None, known
+    )
+    assert jac.made == [(2, 0)] and norms == [1.0, 1.0, 0.0]
+
+
+def test_a_kappa_makes_each_cross_product_once(monkeypatch):
+    model = make(ForLoopModel, seed=0, K=2, R=3)
+    x, target = randn(3, 5, seed=1), randn(3, 5, seed=7)
+    made: list[tuple[int, int]] = []
+    real = sensitivity_runs.cross_norms
+
+    def spy(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None):
+        made.extend(p for p in zip(rows, cols, strict=True) if p not in (known or {}))
+        return real(jac, masks, vectors, rows, cols, chunk_size, ranks, known)
+
+    monkeypatch.setattr(sensitivity_runs, "cross_norms", spy)
+    rep = lp.visit_alignment(
+        lp.attach(model), x, lambda out, inp: ((out - target) ** 2).sum(), tol=1e-6
+    )
+    assert rep.converged, rep.reason
+    assert made and len(made) == len(set(made))  # no repair here: every pair once
