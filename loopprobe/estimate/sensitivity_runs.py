@@ -247,9 +247,13 @@ def beaten(
             continue
         mine = [b for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]]
         # the tied upper end in use: its own, or sum_r hi_r when that is no larger, which
-        # holds the exact norm whatever the tied run found (the triangle inequality)
+        # holds the exact norm whatever the tied run found (the triangle inequality); where
+        # a cluster is seen the tied operator is checked anyway: its repair from a visit's
+        # vector is what makes the family consistent there
         own = norm_bounds(found[t].value, found[t].residual, eps)[1]
-        tied_own = own < sum(norm_bounds(found[b].value, found[b].residual, eps)[1] for b in mine)
+        tied_own = key[1] in near or own < sum(
+            norm_bounds(found[b].value, found[b].residual, eps)[1] for b in mine
+        )
         for b in mine:
             rows += [t, b] if tied_own else [b]
             cols += [b, t] if tied_own else [t]
