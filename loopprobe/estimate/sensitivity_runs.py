@@ -232,8 +232,10 @@ def beaten(
     equal top values (a visit of a small step ``x + eps W x``: ``d`` copies of one value,
     split by ``eps``) hides the top one from a single start for many iterations. Within a
     sublayer with a tied operator the other operators' top vectors are starts of their own:
-    the tied operator is applied to each visit's vector and each visit to the tied one's
-    (``2 R_j`` JVPs, one batched call), in the sublayers ``near`` (a cluster seen,
+    each visit is applied to the tied one's vector, the tied operator to each visit's where
+    its own upper end is in use or a cluster is seen (``2 R_j`` JVPs at most, one batched
+    call over the pairs not in ``known``, products already made on the same vectors,
+    :func:`visits_on_tied`), in the sublayers ``near`` (a cluster seen,
     :func:`~loopprobe.estimate.sensitivity_clusters.clustered_tops`) also each visit to its
     neighbouring visits' (``2 R_j - 2`` more; without them R 3 ``LinearLoop`` seed 1 of
     ``benchmarks/bench_kappa_clusters.py`` came back converged outside its interval), and
