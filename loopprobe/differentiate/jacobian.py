@@ -400,8 +400,10 @@ class VisitJacobian:
         (benchmarks/bench_jvp_modes.py: 0.68x the forward-mode product at d 64); this
         reuses the one graph. It is used from the second product on: the first is forward
         mode, so the adjointness check of every product (``<U^T U v, v> = ||U v||^2``) still
-        compares forward-mode tangents with the backward graph once per operator (a
-        ``no_grad`` region after a visit shows there). ``None`` where it cannot be built."""
+        compares forward-mode tangents with the backward graph once per graph (a ``no_grad``
+        region after a visit shows there); a :meth:`restricted` copy made ``checked`` skips
+        it, its visits being tested by the whole graph's. ``None`` where it cannot be
+        built."""
         if self._jvp2 is None and self.reverse_over_reverse:
             assert self.F0 is not None
             try:
