@@ -99,16 +99,13 @@ class VisitJacobian:
         self.reverse_over_reverse = True  # False: every U t in forward mode (less memory)
         self._checked = False  # vjp_fn has run its checks (F finite, F(0), dtypes) once
 
-    def restricted(self, ks: Sequence[int], checked: bool = False) -> VisitJacobian:
+    def restricted(self, ks: Sequence[int]) -> VisitJacobian:
         """The same F with offsets at the selected visits ``ks`` only (the others compute
         with the plain parameters), sharing discovery, seed and checks: its JVP carries
         tangents from the first of them on and its VJP graph reaches back to it only, with
         weight gradients for them alone, so an operator over some visits costs their part of
         the loop rather than all of it. Masks index ``ks`` in order. ``self`` where the
-        products are not ``torch.func``'s (plain autograd, buffer writes): one graph.
-        ``checked``: the caller runs a forward-mode product over every visit of ``ks`` on
-        the whole graph (:meth:`_reverse_jvp`), so this copy's products may all be reverse
-        over reverse (its first in forward mode cost 3x a later one at d 64)."""
+        products are not ``torch.func``'s (plain autograd, buffer writes): one graph."""
         if not self._checked:
             self.vjp_fn()
         if self.products is not None or self.buffer_writes is not None or self.jvp.reverse:
@@ -121,7 +118,7 @@ class VisitJacobian:
         sub.shapes = [self.shapes[k] for k in ks]
         sub.param_dtypes = [self.param_dtypes[k] for k in ks]
         sub._vjp_fn, sub.F0 = None, None
-        sub._jvp2, sub._forward_checked = None, checked
+        sub._jvp2, sub._forward_checked = None, False
         sub._vjp_by_transforms()
         return sub
 

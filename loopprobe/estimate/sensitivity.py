@@ -281,16 +281,12 @@ def sensitivity_norms(
         call=call, ranks=ranks, basis=basis, stop=stop, state=state,
     )  # fmt: skip
 
-    # every visit in a tied operator, whose first product on the whole graph is in forward
-    # mode: its adjointness check covers the narrowed copies' visits too
-    covered = all(sum(w.j == v.j for w in visits) > 1 for v in visits)
-
     def run(rows: list[int]) -> list[Estimate]:  # in groups whose Krylov bases fit
         out: dict[int, Estimate] = {}
         for ks, part in _product_groups(visits, ops, rows, narrow):
             if len(ks) < len(visits):  # the whole graph waits while a narrowed one works
                 jac.release()
-            sub = jac if len(ks) == len(visits) else jac.restricted(ks, covered)
+            sub = jac if len(ks) == len(visits) else jac.restricted(ks)
             sub_masks = masks if sub is jac else masks[:, ks]  # restricted() may refuse
             for at in range(0, len(part), group):
                 g = part[at : at + group]
