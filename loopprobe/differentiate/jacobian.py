@@ -398,9 +398,9 @@ class VisitJacobian:
         reuses the one graph. It is used from the second product on: the first is forward
         mode, so the adjointness check of every product (``<U^T U v, v> = ||U v||^2``) still
         compares forward-mode tangents with the backward graph once per graph (a ``no_grad``
-        region after a visit shows there); a :meth:`restricted` copy made ``checked`` skips
-        it, its visits being tested by the whole graph's. ``None`` where it cannot be
-        built."""
+        region after a visit shows there; a :meth:`restricted` copy checks itself, and its
+        first forward-mode product is also where a forward that ``torch.func`` refuses
+        switches to plain autograd). ``None`` where it cannot be built."""
         if self._jvp2 is None and self.reverse_over_reverse:
             assert self.F0 is not None
             try:
