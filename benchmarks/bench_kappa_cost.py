@@ -17,6 +17,10 @@ monitor's).
 
     git worktree add /tmp/perf_base <commit>        # the "before" tree
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_cost.py --d 64 --R 4
+
+``--repeats N`` alternates the trees N times per case and prints the median steps: on this
+2-core machine one run's steps move by 10-25 % with the other core's load, more than a change
+of a few products.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -85,6 +90,9 @@ def main() -> None:
     ap.add_argument("--max-iter", type=int, default=100)
     ap.add_argument("--tols", default="1e-6,1e-2", help="kappa's error bounds, comma-separated")
     ap.add_argument("--cases", default="before,after", help="which trees: before, after")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="alternate the trees this many times per case; print each run and "
+                    "the median steps")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     trees = [t for t in [("before", args.base), ("after", ROOT)] if t[0] in args.cases]
@@ -93,17 +101,23 @@ def main() -> None:
     rows = []
     for d in map(int, args.d.split(",")):
         for R in map(int, args.R.split(",")):
-            for label, tree in trees:
-                for tol in map(float, args.tols.split(",")):
-                    r = case(tree, d, R, tol, args.max_iter)
-                    r.update(d=d, R=R, case=f"{label} {tol:g}", steps=r["cpu"] / r["step"])
-                    rows.append(r)
-                    print(
-                        f"{d:>4} {R:>3} {r['case']:>12} {r['steps']:7.0f} {r['products']:8d} "
-                        f"{r['kappa']:9.6f} {r['kappa_err']:9.2g} {str(r['converged'])[0]:>4}  "
-                        f"{r['iterations']}",
-                        flush=True,
-                    )
+            for tol in map(float, args.tols.split(",")):
+                runs: dict[str, list[float]] = {label: [] for label, _ in trees}
+                for _ in range(args.repeats):  # alternating, so load drifts hit both trees
+                    for label, tree in trees:
+                        r = case(tree, d, R, tol, args.max_iter)
+                        r.update(d=d, R=R, case=f"{label} {tol:g}", steps=r["cpu"] / r["step"])
+                        rows.append(r)
+                        runs[label].append(r["steps"])
+                        print(
+                            f"{d:>4} {R:>3} {r['case']:>12} {r['steps']:7.0f} "
+                            f"{r['products']:8d} {r['kappa']:9.6f} {r['kappa_err']:9.2g} "
+                            f"{str(r['converged'])[0]:>4}  {r['iterations']}",
+                            flush=True,
+                        )
+                if args.repeats > 1:
+                    text = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in runs.items())
+                    print(f"{d:>4} {R:>3} {tol:g}: median steps over {args.repeats} runs: {text}")
     if args.json:
         print(json.dumps(rows))
 
