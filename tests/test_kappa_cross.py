@@ -71,7 +71,6 @@ def test_the_tied_operator_is_checked_only_while_its_own_upper_end_is_in_use():
 
 
 def test_products_already_made_on_the_same_vectors_are_not_made_again():
-    out, made = _run(1.99, 0.5, {})
     known = {(0, 2): 1.0, (1, 2): 1.0}
     visits = [SimpleNamespace(j=0, r=0), SimpleNamespace(j=0, r=1)]
     keys = [("visit", 0), ("visit", 1), ("tied", 0)]
