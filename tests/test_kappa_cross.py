@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from thirdparty_models import ForLoopModel, make, randn
 
@@ -101,3 +102,40 @@ def test_a_kappa_makes_each_cross_product_once(monkeypatch):
     )
     assert rep.converged, rep.reason
     assert made and len(made) == len(set(made))  # no repair here: every pair once
+
+
+def test_the_products_read_again_are_those_the_vectors_give_then(monkeypatch):
+    # The first cross-check reads the visits' products on the tied vectors made before the
+    # second starts: valid while those runs leave the tied vectors alone. A cluster member
+    # that needs a second start (R 3 LinearLoop seed 2), each read checked against a fresh one.
+    from _small_steps import family_member
+
+    model, x, y = family_member(3, "lp", 2)
+    reads: list[tuple[float, float]] = []
+    real = sensitivity_runs.cross_norms
+
+    def spy(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None):
+        if known:
+            pairs = [p for p in zip(rows, cols, strict=True) if p in known]
+            fresh = real(jac, masks, vectors, [b for b, _ in pairs], [c for _, c in pairs],
+                         chunk_size, ranks)  # fmt: skip
+            reads.extend(zip((known[p] for p in pairs), fresh, strict=True))
+        return real(jac, masks, vectors, rows, cols, chunk_size, ranks, known)
+
+    monkeypatch.setattr(sensitivity_runs, "cross_norms", spy)
+    from loopprobe.estimate import sensitivity
+
+    seconds: list[list[int]] = []
+    second = sensitivity.second_starts
+
+    def counting(run, v0, vectors, found, rows, *rest):
+        seconds.append(list(rows))
+        return second(run, v0, vectors, found, rows, *rest)
+
+    monkeypatch.setattr(sensitivity, "second_starts", counting)
+    lp.visit_alignment(lp.attach(model), x, lambda out, inp: 0.5 * (out - y).pow(2).sum(),
+                       method="lanczos", max_iter=30)  # fmt: skip
+    assert seconds and seconds[0]  # a second start ran between the products and their read
+    assert reads
+    for cached, fresh in reads:
+        assert cached == pytest.approx(fresh, rel=1e-12, abs=0)

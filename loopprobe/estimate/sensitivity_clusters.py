@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from loopprobe.estimate.sensitivity_runs import _rerun, default_tol
+from loopprobe.estimate.sensitivity_runs import _rerun, default_tol, tied_families
 
 #: A direction orthogonal to an operator's top vector whose Rayleigh quotient is within this
 #: many residual tolerances of the top value shows a cluster (:func:`clustered_tops`).
@@ -39,10 +39,7 @@ def clustered_tops(visits, keys, vectors, found, dtype, on_tied) -> list:
     ``beaten`` reads too: this test makes no product of its own."""
     tau = CLUSTER_TOLS * default_tol(dtype, "lanczos")
     rows, cols = [], []
-    for t, key in enumerate(keys):
-        if key[0] != "tied":
-            continue
-        mine = [b for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]]
+    for t, mine in tied_families(keys, visits):
         top = max(mine, key=lambda b: found[b].value)
         if found[top].converged:  # not converged: not certified anyway, nothing to add
             rows.append(top)

@@ -194,6 +194,13 @@ def rounding_slack(eps: float) -> float:
     return max(ROUNDOFF_EPS * eps, eps**0.5)
 
 
+def tied_families(keys, visits) -> list[tuple[int, list[int]]]:
+    """``(t, visits of t)`` for every tied operator t (positions in ``keys``): the operators
+    the cross-checks compare with each other."""
+    return [(t, [b for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]])
+            for t, key in enumerate(keys) if key[0] == "tied"]  # fmt: skip
+
+
 def cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None) -> list[float]:
     """``||A_b v_c||^2`` for each pair ``(b, c) = (rows[q], cols[q])``: operator b applied to
     the unit top vector of operator c, one batched JVP over the pairs not in ``known`` (a
@@ -215,8 +222,7 @@ def visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks) -> dict
     to t's unit top vector, one batched JVP; the products both
     :func:`~loopprobe.estimate.sensitivity_clusters.clustered_tops` and the first
     :func:`beaten` read (made once, before either)."""
-    pairs = [(b, t) for t, key in enumerate(keys) if key[0] == "tied"
-             for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]]  # fmt: skip
+    pairs = [(b, t) for t, mine in tied_families(keys, visits) for b in mine]
     rows, cols = [b for b, _ in pairs], [t for _, t in pairs]
     sq = cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks) if pairs else []
     return dict(zip(pairs, sq, strict=True))
@@ -244,23 +250,21 @@ def beaten(
     :func:`rounding_slack`) missed its top. Returns ``{b: c}``: operator b is beaten most
     by operator c's vector."""
     rows, cols = [], []  # apply operator rows[q] to the vector of operator cols[q]
-    for t, key in enumerate(keys):
-        if key[0] != "tied":
-            continue
-        mine = [b for b, k in enumerate(keys) if k[0] == "visit" and visits[b].j == key[1]]
+    for t, mine in tied_families(keys, visits):
+        j = keys[t][1]
         # the tied upper end in use: its own, or sum_r hi_r when that is no larger, which
         # holds the exact norm whatever the tied run found (the triangle inequality); where
         # a cluster is seen the tied operator is checked anyway: its repair from a visit's
         # vector is what makes the family consistent there
         own = norm_bounds(found[t].value, found[t].residual, eps)[1]
-        tied_own = key[1] in near or own < sum(
+        tied_own = j in near or own < sum(
             norm_bounds(found[b].value, found[b].residual, eps)[1] for b in mine
         )
         for b in mine:
             rows += [t, b] if tied_own else [b]
             cols += [b, t] if tied_own else [t]
         mine.sort(key=lambda b: visits[b].r)
-        pairs = zip(mine[:-1], mine[1:], strict=True) if key[1] in near else []
+        pairs = zip(mine[:-1], mine[1:], strict=True) if j in near else []
         for a, b in pairs:  # neighbouring visits, each to the other's vector
             rows += [a, b]
             cols += [b, a]
