@@ -44,18 +44,19 @@ def overlap(a: lp.AlignmentReport, b: lp.AlignmentReport) -> torch.Tensor:
 
 
 def train_step_cpu(model, idx, loss_fn, lr: float) -> float:
-    """CPU seconds of one AdamW training step (the minimum of 5 after one warm-up), on a
-    copy of the model: the columns ``warm st``/``cold st`` are kappa's CPU in these units."""
+    """CPU seconds of one AdamW training step (the minimum of 5 after one warm-up,
+    ``bench_visits.interleaved`` on the CPU clock), on a copy of the model: the columns
+    ``warm st``/``cold st`` are kappa's CPU in these units."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    times = []
-    for _ in range(6):
-        t = time.process_time()
+
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
         loss_fn(model(idx), idx).backward()
         opt.step()
-        times.append(time.process_time() - t)
-    return min(times[1:])
+
+    bv.CLOCK.update(fn=time.process_time, name="cpu")
+    return min(bv.interleaved({"step": step}, 5)["step"])
 
 
 def main() -> None:
