@@ -104,13 +104,15 @@ def test_a_kappa_makes_each_cross_product_once(monkeypatch):
     assert made and len(made) == len(set(made))  # no repair here: every pair once
 
 
-def test_the_products_read_again_are_those_the_vectors_give_then(monkeypatch):
+@pytest.mark.parametrize("kind", ["lp", "plain"])
+def test_the_products_read_again_are_those_the_vectors_give_then(monkeypatch, kind):
     # The first cross-check reads the visits' products on the tied vectors made before the
-    # second starts: valid while those runs leave the tied vectors alone. A cluster member
-    # that needs a second start (R 3 LinearLoop seed 2), each read checked against a fresh one.
+    # second starts: valid while those runs leave the tied vectors alone. Cluster members
+    # that need a second start (R 3 seed 2, as LinearLoop and as a plain third-party-style
+    # module), each read checked against a fresh one.
     from _small_steps import family_member
 
-    model, x, y = family_member(3, "lp", 2)
+    model, x, y = family_member(3, kind, 2)
     reads: list[tuple[float, float]] = []
     real = sensitivity_runs.cross_norms
 
