@@ -37,13 +37,9 @@ from loopprobe._memory import auto_chunk_size
 from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.estimate.sensitivity_clusters import clustered_tops, second_starts
 from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: public here too
-    WARM_VISITS_N,
     RunContext,
     _estimate,
-    _phases,
     _product_groups,
-    _start,
-    _warm_start,
     beaten,
     default_tol,
     missed_note,
@@ -52,6 +48,7 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     repair_tops,
     visits_on_tied,
 )
+from loopprobe.estimate.sensitivity_starts import WARM_VISITS_N, _phases, _start, _warm_start
 from loopprobe.linalg import Estimate, StopRule
 from loopprobe.precision import lowest_precision
 from loopprobe.record.probe import Probe
@@ -207,10 +204,12 @@ def sensitivity_norms(
     ``warm_visits`` (without ``start``; default ``None``: when an operator has at least
     ``WARM_VISITS_N`` parameters): the visits are estimated from the last visit number r to
     the first (with ``narrow`` these groups run one after another anyway) and each starts from
-    the top vector of its sublayer's visit estimated just before, then every tied operator
-    from the sum of its visits' top vectors (signs aligned), each plus a random part of
-    relative size ``VISIT_NOISE`` (the visits of a sublayer read the output through nearly the same
-    direction when they are aligned). With aligned visits the tied operator's first product
+    the line through the top vectors of its sublayer's two visits estimated just before,
+    ``2 v_{r+1} - v_{r+2}`` (the one before alone for r = R-2), then every tied operator
+    from the sum of its visits' top vectors (signs aligned), each plus a small random part
+    (``VISIT_NOISE``, ``TIED_NOISE``): a visit's top vector drifts smoothly with r, and the
+    visits of a sublayer read the output through nearly the same direction when they are
+    aligned. With aligned visits the tied operator's first product
     already gives a lower end that :func:`~loopprobe.estimate.alignment.kappa_interval`
     pairs with ``sum_r ||U_r||`` (measured in benchmarks/bench_kappa_cost.py). An
     earlier order was the reverse (tied first, visits from it: 17-18% fewer
