@@ -60,7 +60,7 @@ def test_the_warm_visits_get_the_extrapolated_start(monkeypatch):
     rep = lp.visit_alignment(lp.attach(model), x, mse(target), max_iter=80, warm_visits=True)
     visits = rep.sensitivity.visits
     checked = 0
-    for rows, starts, vectors in seen[: R]:  # the visit phases, r = R-1 first
+    for rows, starts, vectors in seen[:R]:  # the visit phases, r = R-1 first
         for b, start in zip(rows, starts, strict=True):
             r, j = visits[b].r, visits[b].j
             if r > R - 3:

@@ -96,6 +96,7 @@ class VisitJacobian:
         self.problems: list[str] = []
         self._jvp2: Any = None  # U t by reverse over reverse (:meth:`_reverse_jvp`)
         self._forward_checked = False  # a forward-mode product has run
+        self.forward_probed = False  # the whole graph's was checked: copies need none
         self.reverse_over_reverse = True  # False: every U t in forward mode (less memory)
         self._checked = False  # vjp_fn has run its checks (F finite, F(0), dtypes) once
 
@@ -118,7 +119,7 @@ class VisitJacobian:
         sub.shapes = [self.shapes[k] for k in ks]
         sub.param_dtypes = [self.param_dtypes[k] for k in ks]
         sub._vjp_fn, sub.F0 = None, None
-        sub._jvp2, sub._forward_checked = None, False
+        sub._jvp2, sub._forward_checked = None, self.forward_probed
         sub._vjp_by_transforms()
         return sub
 
@@ -398,9 +399,11 @@ class VisitJacobian:
         reuses the one graph. It is used from the second product on: the first is forward
         mode, so the adjointness check of every product (``<U^T U v, v> = ||U v||^2``) still
         compares forward-mode tangents with the backward graph once per graph (a ``no_grad``
-        region after a visit shows there; a :meth:`restricted` copy checks itself, and its
-        first forward-mode product is also where a forward that ``torch.func`` refuses
-        switches to plain autograd). ``None`` where it cannot be built."""
+        region after a visit shows there, and a forward that ``torch.func`` refuses switches
+        to plain autograd). A :meth:`restricted` copy of a graph whose whole forward was
+        checked so (``forward_probed``,
+        :func:`~loopprobe.estimate.sensitivity_runs.forward_probe`) starts by reverse over
+        reverse; any other copy checks itself. ``None`` where it cannot be built."""
         if self._jvp2 is None and self.reverse_over_reverse:
             assert self.F0 is not None
             try:

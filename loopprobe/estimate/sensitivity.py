@@ -14,9 +14,10 @@ All operators (every visit and every tied sum) are estimated together: the funct
 ``F(delta_1, ..., delta_M)`` is evaluated once unbatched (so data-dependent control flow
 such as ACT halting works), tangents and cotangents are batched with ``torch.vmap``, and
 the VJP graph is built once and reused by every iteration. No dense Jacobian is formed.
-Each iteration checks ``<U^T U v, v> = ||U v||^2``: a mismatch means forward-mode
-tangents and the backward graph disagree (a ``no_grad`` region after a visit, or
-randomness that the seed does not control) and raises instead of returning a number.
+One forward-mode product of the whole graph (a random offset at every visit) and each
+iteration check ``<U^T U v, v> = ||U v||^2``: a mismatch means forward-mode tangents and
+the backward graph disagree (a ``no_grad`` region after a visit, or randomness that the
+seed does not control) and raises instead of returning a number.
 :func:`sensitivity_operators` hands the same products to other tools: every ``U`` as a
 ``scipy.sparse.linalg.LinearOperator`` (``svds``, ``eigsh``, curvature libraries).
 Reference: seed 002, Eq. 11-12 and Assumption 3.1.
@@ -42,6 +43,7 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     _product_groups,
     beaten,
     default_tol,
+    forward_probe,
     missed_note,
     outside_reads,
     precision_note,
@@ -256,9 +258,11 @@ def sensitivity_norms(
     jac.vjp_fn()
     assert jac.F0 is not None
     m = jac.F0.numel()
+    ranks = probe.ranks  # the global batch's operator (loopprobe.distributed)
+    if ranks is None and jac.reverse_over_reverse and chunk_size != 0:
+        forward_probe(jac, gen.initial_seed() + 2, call)  # the forward-mode check, once
     if narrow:  # the first products run on narrowed copies: the whole graph can wait
         jac.release()
-    ranks = probe.ranks  # the global batch's operator (loopprobe.distributed)
     v0 = _start(jac, ops, keys, gen, start, call)
     v0 = v0 if ranks is None else ranks.mean(v0)  # the same start vectors on every rank
     vectors = torch.empty_like(v0)

@@ -241,6 +241,55 @@ def _product_groups(visits, ops, rows, narrow: bool) -> list[tuple[list[int], li
     return out
 
 
+def adjoint_tol(low: torch.dtype) -> float:
+    """How far ``<U^T U v, v>`` and ``||U v||^2`` may differ, relative to ``||U||^2``: 1e-7 in
+    float64, 1e-2 in float32, 1e-1 in half precision (roundoff of the lowest precision the
+    forward computes in)."""
+    return 1e-7 if low == torch.float64 else 1e-2 if not is_half(low) else 1e-1
+
+
+def adjoint_error(w, v, u, scale, jac, call: str, what) -> str | None:
+    """The error for the first row whose ``<w, v>`` (``w = U^T U v``) and ``||u||^2``
+    (``u = U v``) differ by more than :func:`adjoint_tol` of ``scale`` (per row, ``||U||^2``
+    seen so far), naming it ``what(row)``; None when every row agrees."""
+    low = lowest_precision(jac.dtypes)
+    vv = v.square().sum(1).clamp_min(1e-300)
+    wv, uu = (w * v).sum(1) / vv, (u * u).sum(1) / vv
+    gap = (wv - uu).abs() / scale.clamp_min(1e-300)
+    bad = gap > adjoint_tol(low)
+    if not bool(bad.any()):
+        return None
+    q = int(bad.nonzero()[0])
+    return (
+        f"{call}: the JVP and VJP of {what(q)} disagree: <U^T U v, v> = {float(wv[q]):.10g} but "
+        f"||U v||^2 = {float(uu[q]):.10g}, a relative gap of {float(gap[q]):.2g} > "
+        f"{adjoint_tol(low):g} (the tolerance for {_name(low)}, the lowest precision computed "
+        f"in: {_names(jac.dtypes)}). Causes: forward-mode tangents pass where the backward "
+        "graph does not (a no_grad region or .data use after a visit), randomness that "
+        "torch's RNG does not control, or roundoff of a dtype the model casts to internally; "
+        "exclude that visit or make the forward deterministic"
+    )
+
+
+def forward_probe(jac, seed: int, call: str) -> None:
+    """One forward-mode product ``U t`` of the whole graph (a random ``t`` at every visit) and
+    its VJP, checked for adjointness like every product of :func:`_estimate`; then the
+    graph's narrowed copies (:meth:`VisitJacobian.restricted`) and its own later products run
+    by reverse over reverse from their first product on. A forward that ``torch.func`` refuses
+    in forward mode switches to plain autograd here, before any copy is made. Before this
+    probe each copy made its first product in forward mode: 3x the reverse-over-reverse cost
+    per row, 19 % of a kappa at d 64 R 4 (benchmarks/bench_kappa_cost.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(1, jac.n_max, generator=gen, dtype=torch.float64).to(jac.dtype).to(jac.device)
+    every = torch.ones(1, len(jac.visits), dtype=jac.dtype, device=jac.device)
+    u = jac.matvec(t, every)  # forward mode: the graph's first product
+    scale = (u * u).sum(1) / t.square().sum(1)
+    err = adjoint_error(jac.rmatvec(u, every), t, u, scale, jac, call, lambda q: "the visits")
+    if err is not None:
+        raise RuntimeError(err)
+    jac.forward_probed = jac.products is None
+
+
 def _estimate(
     jac,
     masks,
@@ -264,7 +313,6 @@ def _estimate(
     ``U v`` carries one extra entry holding the other ranks' part of ``||U v||`` and
     ``U^T u`` is summed over ranks, so the solver sees ``U^T U = sum_q U^{(q)T} U^{(q)}``."""
     low = lowest_precision(jac.dtypes)
-    adj_tol = 1e-7 if low == torch.float64 else 1e-2 if not is_half(low) else 1e-1
     last: dict[str, torch.Tensor] = {}
     scale = torch.zeros(len(v0), dtype=v0.dtype, device=v0.device)
 
@@ -280,27 +328,13 @@ def _estimate(
     def rmatvec(u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         w = jac.rmatvec(u if ranks is None else u[:, :-1], masks[idx], chunk_size)
         w = w if ranks is None else ranks.sum(w)
-        # Adjointness <U^T U v, v> = ||U v||^2, up to roundoff on the scale of ||U||^2.
         v = last["v"][torch.isin(last["idx"], idx)]  # the solver may have dropped rows
-        vv = v.square().sum(1).clamp_min(1e-300)
-        wv = (w * v).sum(1) / vv
-        uu = (u * u).sum(1) / vv
+        uu = (u * u).sum(1) / v.square().sum(1).clamp_min(1e-300)
         scale[idx] = torch.maximum(scale[idx], uu)
-        gap = (wv - uu).abs() / scale[idx].clamp_min(1e-300)
-        bad = gap > adj_tol
-        if bool(bad.any()):
-            b = rows[int(idx[int(bad.nonzero()[0])])]  # the operator number in the whole call
-            raise RuntimeError(
-                f"{call}: the JVP and VJP of operator {b} disagree: <U^T U v, v> = "
-                f"{float(wv[bad][0]):.10g} but ||U v||^2 = {float(uu[bad][0]):.10g}, a "
-                f"relative gap of {float(gap[bad][0]):.2g} > {adj_tol:g} (the tolerance for "
-                f"{_name(low)}, the lowest precision computed in: {_names(jac.dtypes)}). "
-                "Causes: forward-mode tangents pass where the backward graph does not (a "
-                "no_grad region or .data "
-                "use after a visit), randomness that torch's RNG does not control, or "
-                "roundoff of a dtype the model casts to internally; exclude that visit or make "
-                "the forward deterministic"
-            )
+        # operator numbers in the whole call
+        err = adjoint_error(w, v, u, scale[idx], jac, call, lambda q: f"operator {rows[idx[q]]}")
+        if err is not None:
+            raise RuntimeError(err)
         return w
 
     rtol = default_tol(low, "lanczos")  # the residual certificate, for both methods
