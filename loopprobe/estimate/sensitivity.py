@@ -260,7 +260,7 @@ def sensitivity_norms(
     m = jac.F0.numel()
     ranks = probe.ranks  # the global batch's operator (loopprobe.distributed)
     if ranks is None and jac.reverse_over_reverse and chunk_size != 0:
-        forward_probe(jac, gen.initial_seed() + 2, call)  # the forward-mode check, once
+        forward_probe(jac, gen.initial_seed() + 2, call, chunk_size)  # the forward check, once
     if narrow:  # the first products run on narrowed copies: the whole graph can wait
         jac.release()
     v0 = _start(jac, ops, keys, gen, start, call)

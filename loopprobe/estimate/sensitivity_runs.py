@@ -271,7 +271,7 @@ def adjoint_error(w, v, u, scale, jac, call: str, what) -> str | None:
     )
 
 
-def forward_probe(jac, seed: int, call: str) -> None:
+def forward_probe(jac, seed: int, call: str, chunk_size: int | None = None) -> None:
     """One forward-mode product ``U t`` of the whole graph (a random ``t`` at every visit) and
     its VJP, checked for adjointness like every product of :func:`_estimate`; then the
     graph's narrowed copies (:meth:`VisitJacobian.restricted`) and its own later products run
@@ -282,9 +282,10 @@ def forward_probe(jac, seed: int, call: str) -> None:
     gen = torch.Generator().manual_seed(seed)
     t = torch.randn(1, jac.n_max, generator=gen, dtype=torch.float64).to(jac.dtype).to(jac.device)
     every = torch.ones(1, len(jac.visits), dtype=jac.dtype, device=jac.device)
-    u = jac.matvec(t, every)  # forward mode: the graph's first product
+    u = jac.matvec(t, every, chunk_size)  # forward mode: the graph's first product
     scale = (u * u).sum(1) / t.square().sum(1)
-    err = adjoint_error(jac.rmatvec(u, every), t, u, scale, jac, call, lambda q: "the visits")
+    w = jac.rmatvec(u, every, chunk_size)
+    err = adjoint_error(w, t, u, scale, jac, call, lambda q: "the visits")
     if err is not None:
         raise RuntimeError(err)
     jac.forward_probed = jac.products is None
