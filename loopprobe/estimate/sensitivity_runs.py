@@ -277,8 +277,9 @@ def forward_probe(jac, seed: int, call: str, chunk_size: int | None = None) -> N
     graph's narrowed copies (:meth:`VisitJacobian.restricted`) and its own later products run
     by reverse over reverse from their first product on. A forward that ``torch.func`` refuses
     in forward mode switches to plain autograd here, before any copy is made. Before this
-    probe each copy made its first product in forward mode: 3x the reverse-over-reverse cost
-    per row, 19 % of a kappa at d 64 R 4 (benchmarks/bench_kappa_cost.py)."""
+    probe each copy made its first product in forward mode, at 3x the reverse-over-reverse
+    cost per row: 1.05 of 5.42 CPU-s of a kappa at d 64 R 4, error <= 1e-2 (a scratch
+    profile; docs/results/performance.md)."""
     gen = torch.Generator().manual_seed(seed)
     t = torch.randn(1, jac.n_max, generator=gen, dtype=torch.float64).to(jac.dtype).to(jac.device)
     every = torch.ones(1, len(jac.visits), dtype=jac.dtype, device=jac.device)

@@ -13,8 +13,9 @@ import torch
 #: Relative size of the random part mixed into a warm start from other operators' top
 #: vectors (``warm_visits``): a top direction they miss can still be found (the Krylov
 #: caveat: the start must overlap the top singular vector). Small, because the extrapolated
-#: start (:func:`_visit_start`) is within about 1e-3 of the top vector on LoopedGPT: 0.1
-#: cost it 1-2 Lanczos steps per visit (benchmarks/bench_kappa_cost.py).
+#: start (:func:`_visit_start`) is within about 1e-3 of the top vector on LoopedGPT: with
+#: 0.1 a warm visit took 3.7 Lanczos steps on average, with 1e-3 2.2 (d 64 R 8, error
+#: <= 1e-2, scratch runs; docs/results/performance.md).
 VISIT_NOISE = 1e-3
 #: The same for a tied operator started from its visits' top vectors: smaller, because its
 #: upper end is mostly the visits' sum (:func:`~loopprobe.estimate.kappa_bounds.tied_top`)
