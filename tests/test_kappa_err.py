@@ -176,9 +176,9 @@ def test_a_restricted_jacobian_transposes_only_its_visits_and_matches_the_whole_
         torch.testing.assert_close(t, J[visits[k].r * 2 + visits[k].j].T @ w)
 
 
-def aligned(seed: int) -> ForLoopModel:
+def aligned(seed: int, R: int = 3) -> ForLoopModel:
     """A ForLoopModel whose blocks are near the identity: its visits are aligned."""
-    model = make(ForLoopModel, seed=seed, K=2, R=3)
+    model = make(ForLoopModel, seed=seed, K=2, R=R)
     with torch.no_grad():
         for layer in model.layers:
             layer.fc2.weight.mul_(0.05)
@@ -186,26 +186,32 @@ def aligned(seed: int) -> ForLoopModel:
     return model
 
 
-@pytest.mark.parametrize(("tol", "least"), [(1e-2, 1), (1e-4, 0)])
-def test_warm_started_kappa_holds_the_dense_kappa_where_the_visits_bound_the_tied_norm(tol, least):
+@pytest.mark.parametrize("R", [3, 5])
+@pytest.mark.parametrize(("tol", "least"), [(1e-2, 1), (1e-4, 0), (1e-6, 0)])
+def test_warm_started_kappa_holds_the_dense_kappa_where_the_visits_bound_the_tied_norm(
+    tol, least, R
+):
     # issue 29.1: the tied operator starts from its visits' top vectors and may stop on the
-    # upper end sum_r hi_r (triangle inequality) before its own residual is tight.
+    # upper end sum_r hi_r (triangle inequality) before its own residual is tight. At R 5 the
+    # visits r = 0..2 start from the line through the two visits after them.
     binding = 0
     for seed in (0, 1, 2):
-        model = aligned(seed)
+        model = aligned(seed, R)
         x, target = randn(3, 5, seed=seed + 1), randn(3, 5, seed=seed + 7)
         rep = visit_alignment(
             lp.attach(model), x, mse(target), max_iter=80, tol=tol, warm_visits=True
         )
         assert rep.converged and rep.kappa_err <= tol, rep.reason
-        brute = brute_kappas(model, x, target, K=2, R=3)
+        brute = brute_kappas(model, x, target, K=2, R=R)
         for row, exact in zip(rep.sublayers.itertuples(), brute, strict=True):
             assert row.kappa_lo <= exact <= row.kappa_hi
             assert abs(row.kappa - exact) <= row.kappa_err
             tied = rep.sensitivity.tied_norms[row.j]
             own = norm_bounds(tied.value, tied.residual, EPS)[1]
             binding += own > rep.visits[rep.visits.j == row.j].U_hi.sum()
-    assert binding >= least  # at 1e-2 the new upper end held an interval: it is exercised
+    # at 1e-2 the new upper end held an interval at R 3: it is exercised (at R 5 the tied
+    # operators of these models converge past it)
+    assert binding >= (least if R == 3 else 0)
 
 
 def test_a_visit_that_missed_its_top_singular_value_is_caught_not_reported_as_converged():
