@@ -61,6 +61,14 @@ def test_the_probe_refuses_a_backward_graph_that_misses_part_of_the_forward(cls)
         sensitivity_norms(lp.attach(model), x, max_iter=20)
 
 
+@pytest.mark.parametrize("kw", [{"memory": "low"}, {"chunk_size": 0}])
+def test_without_the_probe_every_product_is_still_checked(kw):
+    # forward-mode products throughout (memory="low"), or one at a time (chunk_size=0): no
+    # probe, and the check on each product names the operator that failed it
+    with pytest.raises(RuntimeError, match=r"JVP and VJP of operator \d+ disagree"):
+        sensitivity_norms(lp.attach(make(NoGradAfterVisit)), randn(2, 4), max_iter=20, **kw)
+
+
 def test_the_probe_leaves_the_numbers_as_they_were():
     # the probe draws from its own stream: the start vectors, so the estimates, are unchanged
     model = make(ForLoopModel, K=2, R=3)

@@ -333,8 +333,11 @@ def _estimate(
         v = last["v"][torch.isin(last["idx"], idx)]  # the solver may have dropped rows
         uu = (u * u).sum(1) / v.square().sum(1).clamp_min(1e-300)
         scale[idx] = torch.maximum(scale[idx], uu)
-        # operator numbers in the whole call
-        err = adjoint_error(w, v, u, scale[idx], jac, call, lambda q: f"operator {rows[idx[q]]}")
+
+        def name(q: int) -> str:  # the operator number in the whole call
+            return f"operator {rows[int(idx[q])]}"
+
+        err = adjoint_error(w, v, u, scale[idx], jac, call, name)
         if err is not None:
             raise RuntimeError(err)
         return w
