@@ -17,9 +17,10 @@ import torch
 #: 0.1 a warm visit took 3.7 Lanczos steps on average, with 1e-3 2.2 (d 64 R 8, error
 #: <= 1e-2, scratch runs; docs/results/performance.md).
 VISIT_NOISE = 1e-3
-#: The same for a tied operator started from its visits' top vectors: smaller, because its
-#: upper end is mostly the visits' sum (:func:`~loopprobe.estimate.kappa_bounds.tied_top`)
-#: and its first product then gives the lower end; where its own upper end is in use the
+#: The same for a tied operator started from its visits' top vectors (their weighted sum is
+#: not a line through its own earlier vectors, so larger than the visits'): its upper end is
+#: mostly the visits' sum (:func:`~loopprobe.estimate.kappa_bounds.tied_top`) and its first
+#: product then gives the lower end; where its own upper end is in use the
 #: cross-check (:func:`~loopprobe.estimate.sensitivity_runs.beaten`) applies it to each
 #: visit's vector.
 TIED_NOISE = 0.01
@@ -30,7 +31,8 @@ WARM_VISITS_N = 16384
 def _phases(visits, keys, narrow: bool) -> list[list[int]]:
     """The operators in the order ``warm_visits`` estimates them: the visits by visit number
     r from the last to the first (with ``narrow`` one phase per r, the groups
-    :func:`_product_groups` runs one after another anyway; else all visits at once), then
+    :func:`~loopprobe.estimate.sensitivity_runs._product_groups` runs one after another
+    anyway; else all visits at once), then
     the tied operators. Last first: the cold start falls on the cheapest products (a JVP
     from visit R-1 on, a VJP back to it), the whole-loop products of r = 0 start warm."""
     by: dict[tuple, list[int]] = {}
