@@ -17,9 +17,9 @@ import torch
 #: 0.1 a warm visit took 3.7 Lanczos steps on average, with 1e-3 2.2 (d 64 R 8, error
 #: <= 1e-2, scratch runs; docs/results/performance.md).
 VISIT_NOISE = 1e-3
-#: The same for a tied operator started from its visits' top vectors (their weighted sum is
-#: not a line through its own earlier vectors, so larger than the visits'): its upper end is
-#: mostly the visits' sum (:func:`~loopprobe.estimate.kappa_bounds.tied_top`) and its first
+#: The same for a tied operator started from its visits' top vectors (0.01 against 0.1 cut
+#: its products 9 -> 5 at d 64 R 4; smaller values not measured): its upper end is mostly
+#: the visits' sum (:func:`~loopprobe.estimate.kappa_bounds.tied_top`) and its first
 #: product then gives the lower end; where its own upper end is in use the
 #: cross-check (:func:`~loopprobe.estimate.sensitivity_runs.beaten`) applies it to each
 #: visit's vector.
