@@ -206,12 +206,10 @@ def sensitivity_norms(
     ``warm_visits`` (without ``start``; default ``None``: when an operator has at least
     ``WARM_VISITS_N`` parameters): the visits are estimated from the last visit number r to
     the first (with ``narrow`` these groups run one after another anyway) and each starts from
-    the line through the top vectors of its sublayer's two visits estimated just before,
-    ``2 v_{r+1} - v_{r+2}`` (the one before alone for r = R-2), then every tied operator
-    from the sum of its visits' top vectors (signs aligned), each plus a small random part
-    (``VISIT_NOISE``, ``TIED_NOISE``): a visit's top vector drifts smoothly with r, and the
-    visits of a sublayer read the output through nearly the same direction when they are
-    aligned. With aligned visits the tied operator's first product
+    the line ``2 v_{r+1} - v_{r+2}`` through its sublayer's two visits before it (for
+    r = R-2 the one), then every tied operator from the sum of its visits' top vectors
+    (signs aligned), each plus a small random part (module ``sensitivity_starts``).
+    With aligned visits the tied operator's first product
     already gives a lower end that :func:`~loopprobe.estimate.alignment.kappa_interval`
     pairs with ``sum_r ||U_r||`` (measured in benchmarks/bench_kappa_cost.py). An
     earlier order was the reverse (tied first, visits from it: 17-18% fewer
