@@ -14,8 +14,8 @@ import torch
 #: vectors (``warm_visits``): a top direction they miss can still be found (the Krylov
 #: caveat: the start must overlap the top singular vector). Small, because the extrapolated
 #: start (:func:`_visit_start`) is within about 1e-3 of the top vector on LoopedGPT: with
-#: 0.1 a warm visit took 3.7 Lanczos steps on average, with 1e-3 2.2 (d 64 R 8, error
-#: <= 1e-2, scratch runs; docs/results/performance.md).
+#: 0.1 the warm visits took 3.93 Lanczos steps on average, with 1e-3 2.57 (d 64 R 8, error
+#: <= 1e-2; benchmarks/bench_kappa_starts.py).
 VISIT_NOISE = 1e-3
 #: The same for a tied operator started from its visits' top vectors (0.01 against 0.1 cut
 #: its products 9 -> 5 at d 64 R 4; smaller values not measured): its upper end is mostly
@@ -70,9 +70,10 @@ def _visit_start(b, prior, visits, vectors) -> torch.Tensor:
     """The start of visit b (visit number r) from the top vectors of its sublayer's visits
     ``prior``: the line through the nearest one, at r+s, and the one at r+2s, ``2 v_{r+s} -
     v_{r+2s}`` (signs aligned), where both are there, else the nearest one's vector. A visit's
-    top vector drifts smoothly with r: on LoopedGPT (d 64, R 4 and 8) ``1 - cos`` to the exact
-    top vector is 3e-5 to 4e-4 from the neighbour's and 7e-9 to 8e-7 from the line through
-    two (scratch runs on converged vectors), so the visit needs 2-3 Lanczos steps, not 4-7."""
+    top vector drifts smoothly with r: on LoopedGPT (d 64, R 4 and 8) ``1 - cos`` to the
+    converged top vector is 4e-5 to 4e-4 from the neighbour's and 2e-9 to 8e-7 from the line
+    (medians per sublayer, benchmarks/bench_kappa_starts.py), so the visit needs 2-3 Lanczos
+    steps, not 4-7."""
     r = visits[b].r
     near = sorted(prior, key=lambda c: abs(visits[c].r - r))
     top = vectors[near[0]]

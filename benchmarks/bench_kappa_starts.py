@@ -1,0 +1,98 @@
+"""Where kappa's warm visits start: how close the neighbour's and the line's vectors are.
+
+LoopedGPT (DeepLoop, float32, vocab 256, 64-dim heads, random tokens, cross-entropy, seeded
+weights; ``bench_visits.build``), seq 128, batch 8, K 2, one thread.
+
+``geometry``: one kappa to error <= 1e-4, whose top right singular vectors stand in for the
+exact ones; for each sublayer and visit r, ``1 - |cos|`` between visit r's vector and the
+start ``warm_visits`` would give it from the visits after it: the neighbour's ``v_{r+1}``
+(the start before the line) and the line ``2 v_{r+1} - v_{r+2}`` (signs aligned), median
+over the visits that have both.
+
+``noise``: kappa at error <= ``--tol`` with the random part of the warm visits' starts
+(``sensitivity_starts.VISIT_NOISE``) set to each value asked; printed: the mean Lanczos
+iterations of the warm visits (every visit but the last, which starts cold) and the products.
+
+    nice -n 19 .venv/bin/python benchmarks/bench_kappa_starts.py --d 64 --R 4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_visits as bv  # noqa: E402
+
+import loopprobe as lp  # noqa: E402
+from loopprobe.estimate import sensitivity_starts  # noqa: E402
+
+
+def model(d: int, R: int):
+    return bv.build(d, max(1, d // 64), 128, 8, 2, R)
+
+
+def one_minus_cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return 1 - float((a @ b).abs() / (a.norm() * b.norm()))
+
+
+def geometry(d: int, R: int) -> None:
+    _, probe, idx, loss_fn = model(d, R)
+    sens = lp.visit_alignment(probe, idx, loss_fn, tol=1e-4).sensitivity
+    vec = sens.start_vectors()
+    by: dict[str, dict[int, torch.Tensor]] = {}
+    for v in sens.visits:
+        by.setdefault(v.sublayer, {})[v.r] = vec[("visit", v.i)]
+    for name, vs in by.items():
+        near, line = [], []
+        for r in range(R - 2):
+            one, two = vs[r + 1], vs[r + 2]
+            two = two * torch.sign((two * one).sum())
+            near.append(one_minus_cos(vs[r], one))
+            line.append(one_minus_cos(vs[r], 2 * one - two))
+        mid = f"neighbour {statistics.median(near):8.1e}  line {statistics.median(line):8.1e}"
+        print(f"{d:>4} {R:>3} {name:>16}  {mid}  (r = 0: {near[0]:.1e}, {line[0]:.1e})")
+
+
+def noise(d: int, R: int, tol: float, values: list[float]) -> None:
+    _, probe, idx, loss_fn = model(d, R)
+    kept = sensitivity_starts.VISIT_NOISE
+    try:
+        for value in values:
+            sensitivity_starts.VISIT_NOISE = value
+            sens = lp.visit_alignment(probe, idx, loss_fn, tol=tol).sensitivity
+            warm = [e.iterations for v, e in zip(sens.visits, sens.visit_norms, strict=True)
+                    if v.r < R - 1]  # fmt: skip
+            products = sum(e.iterations for e in sens.visit_norms)
+            products += sum(e.iterations for e in sens.tied_norms.values())
+            print(f"{d:>4} {R:>3} tol {tol:g} noise {value:g}: warm visits "
+                  f"{statistics.mean(warm):.2f} iterations, {products} products")  # fmt: skip
+    finally:
+        sensitivity_starts.VISIT_NOISE = kept
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d", default="64", help="d_model values, comma-separated")
+    ap.add_argument("--R", default="4,8", help="R values, comma-separated")
+    ap.add_argument("--tol", type=float, default=1e-2, help="kappa's error bound (noise)")
+    ap.add_argument("--noise", default="0.1,0.01,0.001", help="VISIT_NOISE values")
+    ap.add_argument("--what", default="geometry,noise")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    values = [float(x) for x in args.noise.split(",")]
+    for d in map(int, args.d.split(",")):
+        for R in map(int, args.R.split(",")):
+            if "geometry" in args.what:
+                geometry(d, R)
+            if "noise" in args.what:
+                noise(d, R, args.tol, values)
+
+
+if __name__ == "__main__":
+    main()
