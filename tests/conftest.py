@@ -49,6 +49,23 @@ def fresh_cwd(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def restricted_copies(monkeypatch):
+    """The visit counts of the copies ``VisitJacobian.restricted`` makes during the test (one
+    entry per copy, in order)."""
+    from loopprobe.differentiate.jacobian import VisitJacobian
+
+    calls: list[int] = []
+    original = VisitJacobian.restricted
+
+    def counting(self, ks, check=True):
+        calls.append(len(ks))
+        return original(self, ks, check)
+
+    monkeypatch.setattr(VisitJacobian, "restricted", counting)
+    return calls
+
+
+@pytest.fixture
 def hf_args(tmp_path):
     """``hf_args(**overrides)``: ``transformers.TrainingArguments`` for a tiny CPU run writing
     into ``tmp_path``: 3 steps, batch 2, lr 1e-2, no saving, logging, reporting or tqdm."""

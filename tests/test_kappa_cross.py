@@ -92,9 +92,9 @@ def test_a_kappa_makes_each_cross_product_once(monkeypatch):
     made: list[tuple[int, int]] = []
     real = sensitivity_runs.cross_norms
 
-    def spy(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None):
+    def spy(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None, groups=None):
         made.extend(p for p in zip(rows, cols, strict=True) if p not in (known or {}))
-        return real(jac, masks, vectors, rows, cols, chunk_size, ranks, known)
+        return real(jac, masks, vectors, rows, cols, chunk_size, ranks, known, groups)
 
     monkeypatch.setattr(sensitivity_runs, "cross_norms", spy)
     rep = lp.visit_alignment(
@@ -116,13 +116,13 @@ def test_the_products_read_again_are_those_the_vectors_give_then(monkeypatch, ki
     reads: list[tuple[float, float]] = []
     real = sensitivity_runs.cross_norms
 
-    def spy(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None):
+    def spy(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None, groups=None):
         if known:
             pairs = [p for p in zip(rows, cols, strict=True) if p in known]
             fresh = real(jac, masks, vectors, [b for b, _ in pairs], [c for _, c in pairs],
-                         chunk_size, ranks)  # fmt: skip
+                         chunk_size, ranks, groups=groups)  # fmt: skip
             reads.extend(zip((known[p] for p in pairs), fresh, strict=True))
-        return real(jac, masks, vectors, rows, cols, chunk_size, ranks, known)
+        return real(jac, masks, vectors, rows, cols, chunk_size, ranks, known, groups)
 
     monkeypatch.setattr(sensitivity_runs, "cross_norms", spy)
     from loopprobe.estimate import sensitivity
@@ -141,3 +141,33 @@ def test_the_products_read_again_are_those_the_vectors_give_then(monkeypatch, ki
     assert reads
     for cached, fresh in reads:
         assert cached == pytest.approx(fresh, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("R", [3, 4])
+def test_the_cross_products_on_narrowed_copies_are_the_whole_graphs(restricted_copies, R):
+    # each visit's products run on the copy of the graph from its visit number on and each
+    # tied operator's on its sublayer's visits alone: the same numbers as on the whole graph
+    # (a pair sent to the wrong copy, or the copy's masks misread, changes them)
+    from functools import partial
+
+    from loopprobe.differentiate.jacobian import VisitJacobian
+    from loopprobe.estimate.sensitivity import _operators
+
+    probe, x = lp.attach(make(ForLoopModel, seed=0, K=2, R=R)), randn(3, 5)
+    visits = [v for v in probe.visits(x) if v.grad_visible]
+    jac = VisitJacobian(probe, x, visits)
+    ops, _ = _operators(visits)
+    masks = jac.masks(ops)
+    vectors = randn(len(ops), jac.n_max, seed=3)
+    for b, ks in enumerate(ops):
+        vectors[b, jac.n[ks[0]] :] = 0
+    same_j = [(b, c) for b in range(len(ops)) for c in range(len(ops))
+              if visits[ops[b][0]].j == visits[ops[c][0]].j]  # fmt: skip
+    rows, cols = [b for b, _ in same_j], [c for _, c in same_j]
+    whole = sensitivity_runs.cross_norms(jac, masks, vectors, rows, cols, None, None)
+    groups = partial(sensitivity_runs._product_groups, visits, ops, narrow=True)
+    narrowed = sensitivity_runs.cross_norms(
+        jac, masks, vectors, rows, cols, None, None, groups=groups
+    )
+    assert narrowed == pytest.approx(whole, rel=1e-12)
+    assert sorted(restricted_copies) == [2] * R + [R, R]  # each r (two sublayers), two tied

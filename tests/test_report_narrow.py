@@ -9,29 +9,18 @@ from test_kappa_err import brute_kappas, mse
 from thirdparty_models import AlbertModel, ForLoopModel, make, randn
 
 import loopprobe as lp
-from loopprobe.differentiate.jacobian import VisitJacobian
 from loopprobe.estimate.alignment import visit_alignment
 from loopprobe.report import sections_alignment as sa
 from loopprobe.report.config import ReportConfig
 
 
-def _count_restricted(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    original = VisitJacobian.restricted
-
-    def counting(self, ks):
-        calls.append(len(ks))
-        return original(self, ks)
-
-    monkeypatch.setattr(VisitJacobian, "restricted", counting)
-    return calls
-
-
 @pytest.mark.parametrize("seed", [0, 1])
-def test_one_batch_kappa_is_within_its_certified_bound_against_dense_jacobians(seed, monkeypatch):
+def test_one_batch_kappa_is_within_its_certified_bound_against_dense_jacobians(
+    seed, restricted_copies
+):
     model = make(ForLoopModel, seed=seed, K=2, R=3)
     x, target = randn(3, 5, seed=seed + 1), randn(3, 5, seed=seed + 7)
-    calls = _count_restricted(monkeypatch)
+    calls = restricted_copies
     rep = visit_alignment(lp.attach(model), x, mse(target), max_iter=80, tol=1e-6, narrow=False)
     assert calls == []  # no per-visit groups: every product over every visit
     assert rep.converged, rep.reason

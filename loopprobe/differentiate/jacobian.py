@@ -100,13 +100,17 @@ class VisitJacobian:
         self.reverse_over_reverse = True  # False: every U t in forward mode (less memory)
         self._checked = False  # vjp_fn has run its checks (F finite, F(0), dtypes) once
 
-    def restricted(self, ks: Sequence[int]) -> VisitJacobian:
+    def restricted(self, ks: Sequence[int], check: bool = True) -> VisitJacobian:
         """The same F with offsets at the selected visits ``ks`` only (the others compute
         with the plain parameters), sharing discovery, seed and checks: its JVP carries
         tangents from the first of them on and its VJP graph reaches back to it only, with
         weight gradients for them alone, so an operator over some visits costs their part of
         the loop rather than all of it. Masks index ``ks`` in order. ``self`` where the
-        products are not ``torch.func``'s (plain autograd, buffer writes): one graph."""
+        products are not ``torch.func``'s (plain autograd, buffer writes): one graph.
+        ``check``: its first ``U t`` is forward mode (what the solver's adjointness check
+        compares with the backward graph) unless the whole graph's was checked so
+        (``forward_probed``); False: reverse over reverse from the first (for products no
+        check reads: the cross-check's)."""
         if not self._checked:
             self.vjp_fn()
         if self.products is not None or self.buffer_writes is not None or self.jvp.reverse:
@@ -119,7 +123,7 @@ class VisitJacobian:
         sub.shapes = [self.shapes[k] for k in ks]
         sub.param_dtypes = [self.param_dtypes[k] for k in ks]
         sub._vjp_fn, sub.F0 = None, None
-        sub._jvp2, sub._forward_checked = None, self.forward_probed
+        sub._jvp2, sub._forward_checked = None, self.forward_probed or not check
         sub._vjp_by_transforms()
         return sub
 

@@ -226,7 +226,9 @@ def sensitivity_norms(
     ``bind`` returns.
     ``narrow`` (default): the visit operators run in groups by visit number r, each with
     offsets at the visits ``(r, .)`` only (:meth:`VisitJacobian.restricted`: one more
-    forward per group, and its JVPs and VJPs do only the work from visit r on); ``False``:
+    forward per group, and its JVPs and VJPs do only the work from visit r on), and each tied
+    operator with its own sublayer's visits only (its VJP computes no other sublayer's weight
+    gradients); the cross-check's products run on the same kind of copies; ``False``:
     every product carries every visit (the same numbers, more work).
     ``memory``: ``"full"`` (default) forms ``U t`` by reverse over reverse, through the graph
     of the VJP's own backward (fastest; that graph is about one more forward's activations);
@@ -301,14 +303,15 @@ def sensitivity_norms(
         found.update(zip(phase, run(phase), strict=True))
     again = torch.Generator(device=gen.device).manual_seed(gen.initial_seed() + 1)
     n_of = [jac.n[ks[0]] for ks in ops]
-    on_tied = [visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks)]
+    groups = partial(_product_groups, visits, ops, narrow=narrow)
+    on_tied = [visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks, groups)]
     tops = clustered_tops(visits, keys, vectors, found, low, on_tied[0])
     second_starts(run, v0, vectors, found, tops, n_of, again, ranks)
     near = {visits[b].j for b in tops}  # sublayers with a cluster seen: neighbours too
 
     def check() -> dict:  # the first reads the products on the tied vectors (still theirs)
         return beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near,
-                      on_tied.pop() if on_tied else None)  # fmt: skip
+                      on_tied.pop() if on_tied else None, groups)  # fmt: skip
 
     def unmet() -> list[int]:  # operators the stopping rule would not stop now
         if stop is None:

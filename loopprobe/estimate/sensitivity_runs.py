@@ -2,7 +2,7 @@
 
 Tolerances and the precision note, the cross-check of the operators' top vectors
 (``beaten``, ``repair_tops``), the groups whose products share the visits they carry
-(``narrow``), and the batched solver call with its
+(``narrow``: the copies of the graph they run on), and the batched solver call with its
 adjointness check ``<U^T U v, v> = ||U v||^2`` on every product. The operators themselves
 (which visits, which masks) and the result (:class:`Sensitivity`) are in ``sensitivity``,
 their start vectors in ``sensitivity_starts``.
@@ -98,36 +98,57 @@ def tied_families(keys, visits) -> list[tuple[int, list[int]]]:
             for t, key in enumerate(keys) if key[0] == "tied"]  # fmt: skip
 
 
-def cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None) -> list[float]:
+def cross_norms(
+    jac, masks, vectors, rows, cols, chunk_size, ranks, known=None, groups=None
+) -> list[float]:
     """``||A_b v_c||^2`` for each pair ``(b, c) = (rows[q], cols[q])``: operator b applied to
-    the unit top vector of operator c, one batched JVP over the pairs not in ``known`` (a
-    dict ``{(b, c): value}`` of products already made on the same vectors)."""
+    the unit top vector of operator c, one batched JVP per copy of the graph over the pairs
+    not in ``known`` (a dict ``{(b, c): value}`` of products already made on the same
+    vectors). ``groups`` (:func:`_product_groups` over the operators): each operator on the
+    copy of the graph its products need (a visit's from its visit number on, a tied
+    operator's with its sublayer's visits alone), the whole graph waiting meanwhile; the
+    same numbers as on the whole graph, at 0.46-0.89x its CPU time at d 64 R 4 and 8
+    (benchmarks/bench_kappa_cross.py). None: every pair on the whole graph."""
     known = {} if known is None else known
     todo = [q for q, pair in enumerate(zip(rows, cols, strict=True)) if pair not in known]
     if todo:
         V = vectors[[cols[q] for q in todo]].double()
         V = (V / V.norm(dim=1, keepdim=True).clamp_min(1e-300)).to(vectors.dtype)
-        sq = jac.matvec(V, masks[[rows[q] for q in todo]], chunk_size).double().square().sum(1)
+        sq = torch.empty(len(todo), dtype=torch.float64, device=V.device)
+        parts = groups(sorted({rows[q] for q in todo})) if groups else [(None, None)]
+        for ks, part in parts:
+            at = [i for i, q in enumerate(todo) if part is None or rows[q] in part]
+            whole = ks is None or len(ks) == len(jac.visits)
+            if not whole:  # the whole graph waits while a narrowed one works
+                jac.release()
+            sub = jac if whole else jac.restricted(ks, check=False)
+            sub_masks = masks if sub is jac else masks[:, ks]  # restricted() may refuse
+            U = sub.matvec(V[at], sub_masks[[rows[todo[i]] for i in at]], chunk_size)
+            sq[at] = U.double().square().sum(1)
+            del sub  # its VJP graph
         sq = sq if ranks is None else ranks.sum(sq)
         made = zip(todo, sq.tolist(), strict=True)
         known = {**known, **{(rows[q], cols[q]): float(x) for q, x in made}}
     return [known[pair] for pair in zip(rows, cols, strict=True)]
 
 
-def visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks) -> dict:
+def visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks, groups=None) -> dict:
     """``{(b, t): ||U_b v_t||^2}``: every visit b of a sublayer with a tied operator t applied
     to t's unit top vector, one batched JVP; the products both
     :func:`~loopprobe.estimate.sensitivity_clusters.clustered_tops` and the first
     :func:`beaten` read (made once, before either)."""
     pairs = [(b, t) for t, mine in tied_families(keys, visits) for b in mine]
     rows, cols = [b for b, _ in pairs], [t for _, t in pairs]
-    sq = cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks) if pairs else []
+    if not pairs:
+        return {}
+    sq = cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks, groups=groups)
     return dict(zip(pairs, sq, strict=True))
 
 
 def beaten(
-    jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near=(), known=None
-) -> dict:
+    jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near=(), known=None,
+    groups=None,
+) -> dict:  # fmt: skip
     """Operators that missed their top singular value, seen from the others' top vectors.
 
     A Krylov run settles on *a* singular value (its residual certificate says which is
@@ -136,8 +157,9 @@ def beaten(
     split by ``eps``) hides the top one from a single start for many iterations. Within a
     sublayer with a tied operator the other operators' top vectors are starts of their own:
     each visit is applied to the tied one's vector, the tied operator to each visit's where
-    its own upper end is in use or a cluster is seen (``2 R_j`` JVPs at most, one batched
-    call over the pairs not in ``known``, products already made on the same vectors,
+    its own upper end is in use or a cluster is seen (``2 R_j`` JVPs at most, batched per
+    copy of the graph, :func:`cross_norms`, over the pairs not in ``known``, products already
+    made on the same vectors,
     :func:`visits_on_tied`), in the sublayers ``near`` (a cluster seen,
     :func:`~loopprobe.estimate.sensitivity_clusters.clustered_tops`) also each visit to its
     neighbouring visits' (``2 R_j - 2`` more; without them R 3 ``LinearLoop`` seed 1 of
@@ -167,7 +189,7 @@ def beaten(
             cols += [b, a]
     if not rows:
         return {}
-    sq = cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks, known)
+    sq = cross_norms(jac, masks, vectors, rows, cols, chunk_size, ranks, known, groups)
     norms = [x**0.5 for x in sq]
     out: dict[int, tuple[float, int]] = {}
     for b, c, value in zip(rows, cols, norms, strict=True):
@@ -226,17 +248,23 @@ def missed_note(names: list[str]) -> list[str]:
 
 def _product_groups(visits, ops, rows, narrow: bool) -> list[tuple[list[int], list[int]]]:
     """The operators ``rows`` by the visits their products need: ``(ks, operators)``, where
-    ``ks`` are the visits that carry offsets. Tied operators need every visit; with
-    ``narrow`` the operators of the r-th visits of all sublayers share the visits ``(r, .)``
-    alone (their JVPs start at visit r, their VJPs end there), else every visit."""
+    ``ks`` are the visits that carry offsets. With ``narrow`` the operators of the r-th
+    visits of all sublayers share the visits ``(r, .)`` alone (their JVPs start at visit r,
+    their VJPs end there) and a tied operator has its sublayer's visits alone (its VJP
+    computes no other sublayer's weight gradients); else every operator every visit."""
     every = list(range(len(visits)))
     by: dict[Any, list[int]] = {}
     for b in rows:
-        key = visits[ops[b][0]].r if narrow and len(ops[b]) == 1 else "all"
+        if not narrow:
+            key: Any = "all"
+        elif len(ops[b]) == 1:
+            key = visits[ops[b][0]].r
+        else:
+            key = ("tied", visits[ops[b][0]].j)
         by.setdefault(key, []).append(b)
     out = []
     for key, part in by.items():
-        ks = every if key == "all" else sorted(ops[b][0] for b in part)
+        ks = every if key == "all" else sorted({k for b in part for k in ops[b]})
         out.append((ks, part))
     return out
 
