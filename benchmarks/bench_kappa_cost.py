@@ -18,6 +18,11 @@ monitor's).
     git worktree add /tmp/perf_base <commit>        # the "before" tree
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_cost.py --d 64 --R 4
 
+``--again`` times the same call a second time in the process (printed as ``later``, in
+steps): the first call also pays what a process pays once (torch imports and scripts its
+forward-mode decompositions on the first forward-mode product), a monitor's later kappas do
+not.
+
 ``--repeats N`` alternates the trees N times per case and prints the median steps: on this
 2-core machine one run's steps move by 10-25 % with the other core's load, more than a change
 of a few products.
@@ -44,6 +49,7 @@ sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import bench_visits as bv
 import loopprobe as lp
 d, R, tol, max_iter = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+again = sys.argv[6] == "1"
 model, probe, idx, loss_fn = bv.build(d, max(1, d // 64), 128, 8, 2, R)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 def step():
@@ -57,11 +63,17 @@ for _ in range(3):
 t = time.process_time()
 rep = lp.visit_alignment(probe, idx, loss_fn, max_iter=max_iter, tol=tol)
 cpu = time.process_time() - t
+later = float("nan")
+if again:  # the same call once more: what each later kappa of a process costs
+    t = time.process_time()
+    lp.visit_alignment(probe, idx, loss_fn, max_iter=max_iter, tol=tol)
+    later = time.process_time() - t
 sens = rep.sensitivity
 multi = {j for j in sens.tied_norms if sum(v.j == j for v in sens.visits) > 1}
 its = [e.iterations for e in sens.visit_norms]
 its += [sens.tied_norms[j].iterations for j in sorted(multi)]
-print(json.dumps({"step": min(times), "cpu": cpu, "products": sum(its), "iterations": its,
+print(json.dumps({"step": min(times), "cpu": cpu, "later": later, "products": sum(its),
+    "iterations": its,
     "kappa": rep.kappa, "kappa_err": getattr(rep, "kappa_err", float("nan")),
     "converged": bool(rep.converged)}))
 """
@@ -78,8 +90,8 @@ def worker_json(worker: str, tree: str, *args: object) -> Any:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def case(tree: str, d: int, R: int, tol: float, max_iter: int) -> dict:
-    return worker_json(WORKER, tree, tree, d, R, tol, max_iter)
+def case(tree: str, d: int, R: int, tol: float, max_iter: int, again: bool = False) -> dict:
+    return worker_json(WORKER, tree, tree, d, R, tol, max_iter, int(again))
 
 
 def main() -> None:
@@ -93,6 +105,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="alternate the trees this many times per case; print each run and "
                     "the median steps")  # fmt: skip
+    ap.add_argument("--again", action="store_true",
+                    help="time the same kappa a second time in the process too (column "
+                    "'later': without the process's one-off costs)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     trees = [t for t in [("before", args.base), ("after", ROOT)] if t[0] in args.cases]
@@ -105,14 +120,16 @@ def main() -> None:
                 runs: dict[str, list[float]] = {label: [] for label, _ in trees}
                 for _ in range(args.repeats):  # alternating, so load drifts hit both trees
                     for label, tree in trees:
-                        r = case(tree, d, R, tol, args.max_iter)
+                        r = case(tree, d, R, tol, args.max_iter, args.again)
                         r.update(d=d, R=R, case=f"{label} {tol:g}", steps=r["cpu"] / r["step"])
+                        later = r["later"] / r["step"]
                         rows.append(r)
                         runs[label].append(r["steps"])
                         print(
                             f"{d:>4} {R:>3} {r['case']:>12} {r['steps']:7.0f} "
                             f"{r['products']:8d} {r['kappa']:9.6f} {r['kappa_err']:9.2g} "
-                            f"{str(r['converged'])[0]:>4}  {r['iterations']}",
+                            f"{str(r['converged'])[0]:>4}  {r['iterations']}"
+                            + (f"  later {later:.0f}" if args.again else ""),
                             flush=True,
                         )
                 if args.repeats > 1:
