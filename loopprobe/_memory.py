@@ -18,7 +18,7 @@ forward's activations (or 128 MiB, whichever is larger). That is a budget for th
 estimate, not only for the chunk: besides the chunk a kappa or ``||U||`` run holds the VJP
 graph of one forward (about ``A``) and the graph of its backward, which gives ``U t`` by
 reverse over reverse (about ``A`` again), and while the visits of one visit number run on
-their narrowed copy the whole graph is dropped
+their narrowed copy (a tied operator and the cross-check on theirs) the whole graph is dropped
 (:meth:`~loopprobe.differentiate.jacobian.VisitJacobian.release`). So the peak stays near
 three training steps' (benchmarks/bench_kappa_memory.py, kappa to 1e-2 against a first AdamW
 step: d 256 R 4 2.75x, R 8 3.11x, d 512 R 4 3.66x; 4.5x, 4.2x and 4.9x with four activations
