@@ -15,6 +15,10 @@ seconds of both (median of ``--repeats``, alternating, after a warm-up of each),
 ratio, and the largest relative difference of the squared norms. ``--at N``: the model
 first trains N AdamW steps (lr 1e-3).
 
+``--what rows``: what one product (a JVP by reverse over reverse and a VJP) costs per row as
+a vmapped call carries 1, 4 and 16 rows, on the narrowed copies of visit numbers R-1 and 0
+(min of 3 after a warm-up): whether fewer rows or fewer calls is what saves.
+
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_cross.py --R 4,8
 """
 
@@ -75,14 +79,41 @@ def compare(jac, masks, vectors, pairs, groups, repeats: int) -> tuple[float, fl
     return statistics.median(times["whole"]), statistics.median(times["copies"]), diff
 
 
+def rows(jac, visits, R: int) -> None:
+    """CPU ms per row of one product on the copies of visit numbers R-1 and 0."""
+    for r in (R - 1, 0):
+        ks = [k for k, v in enumerate(visits) if v.r == r]
+        jac.release()
+        sub = jac.restricted(ks)
+        for n in (1, 4, 16):
+            masks = torch.zeros(n, len(ks))
+            masks[torch.arange(n), torch.arange(n) % len(ks)] = 1
+            V = torch.randn(n, sub.n_max, generator=torch.Generator().manual_seed(n))
+
+            def product(V=V, masks=masks, sub=sub) -> None:
+                sub.rmatvec(sub.matvec(V, masks), masks)
+
+            product()
+            t = min(bv.timed(product) for _ in range(3))
+            print(f"{R:>3} r={r:<2} {n:>3} rows: {1000 * t:8.1f} ms a call, "
+                  f"{1000 * t / n:6.1f} ms a row", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--R", default="4,8", help="R values, comma-separated")
     ap.add_argument("--at", type=int, default=0, help="AdamW steps before")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--what", default="cross", help="cross and/or rows")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if "rows" in args.what:
+        for R in map(int, args.R.split(",")):
+            jac, visits, *_ = setup(args.d, R, args.at)
+            rows(jac, visits, R)
+    if "cross" not in args.what:
+        return
     print(f"{'d':>4} {'R':>3} {'rows':>16} {'n':>4} {'whole s':>8} {'copies s':>8} "
           f"{'ratio':>6} {'max rel diff':>12}")  # fmt: skip
     for R in map(int, args.R.split(",")):

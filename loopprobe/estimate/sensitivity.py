@@ -44,6 +44,7 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     beaten,
     default_tol,
     forward_probe,
+    graph_copy,
     missed_note,
     outside_reads,
     precision_note,
@@ -287,10 +288,7 @@ def sensitivity_norms(
     def run(rows: list[int]) -> list[Estimate]:  # in groups whose Krylov bases fit
         out: dict[int, Estimate] = {}
         for ks, part in _product_groups(visits, ops, rows, narrow):
-            if len(ks) < len(visits):  # the whole graph waits while a narrowed one works
-                jac.release()
-            sub = jac if len(ks) == len(visits) else jac.restricted(ks)
-            sub_masks = masks if sub is jac else masks[:, ks]  # restricted() may refuse
+            sub, sub_masks = graph_copy(jac, masks, ks)  # the whole graph waits meanwhile
             for at in range(0, len(part), group):
                 g = part[at : at + group]
                 out.update(zip(g, estimate(sub, sub_masks[g], v0[g], vectors, g), strict=True))

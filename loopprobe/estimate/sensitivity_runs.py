@@ -118,11 +118,7 @@ def cross_norms(
         parts = groups(sorted({rows[q] for q in todo})) if groups else [(None, None)]
         for ks, part in parts:
             at = [i for i, q in enumerate(todo) if part is None or rows[q] in part]
-            whole = ks is None or len(ks) == len(jac.visits)
-            if not whole:  # the whole graph waits while a narrowed one works
-                jac.release()
-            sub = jac if whole else jac.restricted(ks, check=False)
-            sub_masks = masks if sub is jac else masks[:, ks]  # restricted() may refuse
+            sub, sub_masks = graph_copy(jac, masks, ks, check=False)
             U = sub.matvec(V[at], sub_masks[[rows[todo[i]] for i in at]], chunk_size)
             sq[at] = U.double().square().sum(1)
             del sub  # its VJP graph
@@ -134,7 +130,7 @@ def cross_norms(
 
 def visits_on_tied(jac, masks, visits, keys, vectors, chunk_size, ranks, groups=None) -> dict:
     """``{(b, t): ||U_b v_t||^2}``: every visit b of a sublayer with a tied operator t applied
-    to t's unit top vector, one batched JVP; the products both
+    to t's unit top vector, batched per copy of the graph (:func:`cross_norms`); the products both
     :func:`~loopprobe.estimate.sensitivity_clusters.clustered_tops` and the first
     :func:`beaten` read (made once, before either)."""
     pairs = [(b, t) for t, mine in tied_families(keys, visits) for b in mine]
@@ -267,6 +263,19 @@ def _product_groups(visits, ops, rows, narrow: bool) -> list[tuple[list[int], li
         ks = every if key == "all" else sorted({k for b in part for k in ops[b]})
         out.append((ks, part))
     return out
+
+
+def graph_copy(jac, masks, ks, check: bool = True) -> tuple:
+    """The graph the products over the visits ``ks`` (a group of :func:`_product_groups`) run
+    on, and the operators' masks for it: ``jac`` itself where ``ks`` is None or every visit,
+    else its narrowed copy (:meth:`VisitJacobian.restricted`, ``check`` passed on), the whole
+    graph released first so that the two are not held at once (the caller drops the copy
+    before asking for the next)."""
+    if ks is None or len(ks) == len(jac.visits):
+        return jac, masks
+    jac.release()
+    sub = jac.restricted(ks, check=check)
+    return sub, (masks if sub is jac else masks[:, ks])  # restricted() may refuse
 
 
 def adjoint_tol(low: torch.dtype) -> float:
