@@ -23,6 +23,14 @@ steps): the first call also pays what a process pays once (torch imports and scr
 forward-mode decompositions on the first forward-mode product), a monitor's later kappas do
 not.
 
+``--floor`` times, in the same process, the same kappa started from the converged top
+vectors of the same weights (a kappa to ``tol/100`` made first, untimed; printed as ``floor``
+with its products, and in brackets the steps of it the cluster cross-check took,
+``visits_on_tied`` and ``beaten``; the first kappa's are printed as ``cross-check``): what a
+kappa costs when no start has to be found, one product per operator plus the fixed work (the
+cross-check, the copies of the graph, the forward check, G). The cold kappa's excess over it
+is the price of finding the top vectors.
+
 ``--repeats N`` alternates the trees N times per case and prints the median steps: on this
 2-core machine one run's steps move by 10-25 % with the other core's load, more than a change
 of a few products.
@@ -49,7 +57,7 @@ sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import bench_visits as bv
 import loopprobe as lp
 d, R, tol, max_iter = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
-again = sys.argv[6] == "1"
+again, floor = sys.argv[6] == "1", sys.argv[7] == "1"
 model, probe, idx, loss_fn = bv.build(d, max(1, d // 64), 128, 8, 2, R)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 def step():
@@ -60,19 +68,44 @@ step()
 times = []
 for _ in range(3):
     t = time.process_time(); step(); times.append(time.process_time() - t)
+spent = [0.0]
+if floor:  # time the cluster cross-check (its functions, where the tree has them)
+    import loopprobe.estimate.sensitivity as S
+    def timed(f):
+        def g(*a, **k):
+            t = time.process_time()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[0] += time.process_time() - t
+        return g
+    for name in ("visits_on_tied", "beaten"):
+        if hasattr(S, name):
+            setattr(S, name, timed(getattr(S, name)))
 t = time.process_time()
 rep = lp.visit_alignment(probe, idx, loss_fn, max_iter=max_iter, tol=tol)
-cpu = time.process_time() - t
+cpu, cross = time.process_time() - t, spent[0]
 later = float("nan")
 if again:  # the same call once more: what each later kappa of a process costs
     t = time.process_time()
     lp.visit_alignment(probe, idx, loss_fn, max_iter=max_iter, tol=tol)
     later = time.process_time() - t
+floor_cpu, floor_products, floor_cross = float("nan"), 0, float("nan")
+if floor:  # from the converged top vectors of the same weights: no start left to find
+    ref = lp.visit_alignment(probe, idx, loss_fn, max_iter=max_iter, tol=tol / 100)
+    spent[0] = 0.0
+    t = time.process_time()
+    low = lp.visit_alignment(probe, idx, loss_fn, max_iter=max_iter, tol=tol, start=ref)
+    floor_cpu, floor_cross = time.process_time() - t, spent[0]
+    floor_products = sum(e.iterations for e in low.sensitivity.visit_norms) + sum(
+        e.iterations for e in low.sensitivity.tied_norms.values())
 sens = rep.sensitivity
 multi = {j for j in sens.tied_norms if sum(v.j == j for v in sens.visits) > 1}
 its = [e.iterations for e in sens.visit_norms]
 its += [sens.tied_norms[j].iterations for j in sorted(multi)]
-print(json.dumps({"step": min(times), "cpu": cpu, "later": later, "products": sum(its),
+print(json.dumps({"step": min(times), "cpu": cpu, "cross": cross, "later": later,
+    "products": sum(its),
+    "floor": floor_cpu, "floor_products": floor_products, "floor_cross": floor_cross,
     "iterations": its,
     "kappa": rep.kappa, "kappa_err": getattr(rep, "kappa_err", float("nan")),
     "converged": bool(rep.converged)}))
@@ -90,8 +123,10 @@ def worker_json(worker: str, tree: str, *args: object) -> Any:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def case(tree: str, d: int, R: int, tol: float, max_iter: int, again: bool = False) -> dict:
-    return worker_json(WORKER, tree, tree, d, R, tol, max_iter, int(again))
+def case(
+    tree: str, d: int, R: int, tol: float, max_iter: int, again: bool = False, floor: bool = False
+) -> dict:
+    return worker_json(WORKER, tree, tree, d, R, tol, max_iter, int(again), int(floor))
 
 
 def main() -> None:
@@ -108,6 +143,9 @@ def main() -> None:
     ap.add_argument("--again", action="store_true",
                     help="time the same kappa a second time in the process too (column "
                     "'later': without the process's one-off costs)")  # fmt: skip
+    ap.add_argument("--floor", action="store_true",
+                    help="time the same kappa from the converged vectors of the same weights "
+                    "too (column 'floor': steps / products)")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     trees = [t for t in [("before", args.base), ("after", ROOT)] if t[0] in args.cases]
@@ -120,7 +158,7 @@ def main() -> None:
                 runs: dict[str, list[float]] = {label: [] for label, _ in trees}
                 for _ in range(args.repeats):  # alternating, so load drifts hit both trees
                     for label, tree in trees:
-                        r = case(tree, d, R, tol, args.max_iter, args.again)
+                        r = case(tree, d, R, tol, args.max_iter, args.again, args.floor)
                         r.update(d=d, R=R, case=f"{label} {tol:g}", steps=r["cpu"] / r["step"])
                         later = r["later"] / r["step"]
                         rows.append(r)
@@ -129,7 +167,14 @@ def main() -> None:
                             f"{d:>4} {R:>3} {r['case']:>12} {r['steps']:7.0f} "
                             f"{r['products']:8d} {r['kappa']:9.6f} {r['kappa_err']:9.2g} "
                             f"{str(r['converged'])[0]:>4}  {r['iterations']}"
-                            + (f"  later {later:.0f}" if args.again else ""),
+                            + (f"  later {later:.0f}" if args.again else "")
+                            + (
+                                f"  cross-check {r['cross'] / r['step']:.0f}"
+                                f"  floor {r['floor'] / r['step']:.0f} / {r['floor_products']}"
+                                f" (cross-check {r['floor_cross'] / r['step']:.0f})"
+                                if args.floor
+                                else ""
+                            ),
                             flush=True,
                         )
                 if args.repeats > 1:
