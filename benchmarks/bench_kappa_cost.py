@@ -26,7 +26,8 @@ not.
 ``--floor`` times, in the same process, the same kappa started from the converged top
 vectors of the same weights (a kappa to ``tol/100`` made first, untimed; printed as ``floor``
 with its products, and in brackets the steps of it the cluster cross-check took,
-``visits_on_tied`` and ``beaten``; the first kappa's are printed as ``cross-check``): what a
+``visits_on_tied`` and ``beaten``; the first kappa's are printed as ``cross-check``; then the
+training step's CPU time): what a
 kappa costs when no start has to be found, one product per operator plus the fixed work (the
 cross-check, the copies of the graph, the forward check, G). The cold kappa's excess over it
 is the price of finding the top vectors.
@@ -172,6 +173,7 @@ def main() -> None:
                                 f"  cross-check {r['cross'] / r['step']:.0f}"
                                 f"  floor {r['floor'] / r['step']:.0f} / {r['floor_products']}"
                                 f" (cross-check {r['floor_cross'] / r['step']:.0f})"
+                                f"  step {r['step'] * 1e3:.0f} ms"
                                 if args.floor
                                 else ""
                             ),
