@@ -20,10 +20,11 @@ sigma_2 / sigma_1 near 1) slow a Krylov run's residual, which the certificate ne
 than its value.
 
 ``batch``: the last visits started from the top vectors of the same operators on the first
-``b`` sequences of the batch (``lp.sensitivity_norms`` on them, Lanczos to a residual of 0.1,
-its products counted at ``b``/8 of a full one's rows), the rest of kappa as usual; printed:
-``|cos|`` of those starts to the full batch's converged vectors and kappa's products against
-a cold kappa's. The start is given through the start function kappa calls (patched here).
+``b`` sequences of the batch (``lp.sensitivity_norms`` on them, Lanczos to a residual of 0.1;
+its products printed too, each a row of ``b``/8 of a full one's batch), the rest of kappa as
+usual; printed: ``|cos|`` of those starts to the full batch's converged vectors and kappa's
+products against a cold kappa's. The start is given through the start function kappa calls
+(patched here).
 
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_starts.py --d 64 --R 4,8
 """
@@ -129,7 +130,8 @@ def batch(d: int, R: int, tol: float, sizes: list[int]) -> None:
     )
     kept = sensitivity._start
     for b in sizes:
-        sub = lp.sensitivity_norms(probe, idx[:b], tol=0.1, method="lanczos").start_vectors()
+        part = lp.sensitivity_norms(probe, idx[:b], tol=0.1, method="lanczos")
+        sub = part.start_vectors()
 
         def start(jac, ops, keys, gen, given, call, sub=sub):
             v0 = kept(jac, ops, keys, gen, given, call)
@@ -148,8 +150,8 @@ def batch(d: int, R: int, tol: float, sizes: list[int]) -> None:
         its = last_iterations(warm)
         print(
             f"{d:>4} {R:>3} tol {tol:g} first {b} of 8 sequences: |cos| to the converged "
-            f"{[round(1 - c, 3) for c in cos]}; kappa {products(warm)} products, the last "
-            f"visits {its}"
+            f"{[round(1 - c, 3) for c in cos]} (after {products(part)} products there); kappa "
+            f"{products(warm)} products, the last visits {its}"
         )
 
 
