@@ -171,3 +171,71 @@ def test_the_cross_products_on_narrowed_copies_are_the_whole_graphs(restricted_c
     )
     assert narrowed == pytest.approx(whole, rel=1e-12)
     assert sorted(restricted_copies) == [2] * R + [R, R]  # each r (two sublayers), two tied
+
+
+def test_the_tied_rows_are_made_on_the_tied_copy_only_where_its_own_end_is_in_use():
+    # right after a tied operator's run, on its copy: the products the first beaten would
+    # ask for (its own upper end in use), each with the vector it was made on; none where
+    # the visits' summed upper ends hold the tied norm (own residual above TRUST_RESIDUAL)
+    visits = [SimpleNamespace(j=0, r=0), SimpleNamespace(j=0, r=1)]
+    keys = [("visit", 0), ("visit", 1), ("tied", 0)]
+    visit = Estimate(1.0, 5, True, 0.0, "lanczos", 1e-4)
+    masks, vectors = torch.arange(3)[:, None], torch.eye(3)
+    loose = {0: visit, 1: visit, 2: Estimate(1.99, 2, True, 0.0, "lanczos", 0.5)}
+    jac = TableJac({(2, 0): 1.2, (2, 1): 1.3})
+    args = (jac, masks, visits, keys, vectors)
+    assert sensitivity_runs.tied_on_visits(*args, loose, [2], EPS, None, None) == {}
+    assert jac.made == []
+    tight = {**loose, 2: Estimate(1.5, 2, True, 0.0, "lanczos", 1e-6)}
+    assert sensitivity_runs.tied_on_visits(*args, tight, [0, 1], EPS, None, None) == {}
+    made = sensitivity_runs.tied_on_visits(*args, tight, [2], EPS, None, None)
+    assert sorted(jac.made) == [(2, 0), (2, 1)]
+    assert {p: x for p, (x, _) in made.items()} == {(2, 0): 1.2**2, (2, 1): 1.3**2}
+    assert torch.equal(made[2, 1][1], vectors[1])
+    # a vector changed since (a second start) drops its product: beaten makes it again
+    vectors[1] = torch.tensor([0.0, 0.6, 0.8])
+    assert sensitivity_runs.still_valid(made, vectors) == {(2, 0): 1.2**2}
+
+
+def test_a_warm_kappa_reads_the_tied_rows_of_the_tied_runs_copies(monkeypatch, restricted_copies):
+    # from converged vectors each tied operator's own upper end is in use, so the first
+    # cross-check applies it to its visits' vectors: those rows are made on the copy of its
+    # Lanczos run (no tied copy is built again), equal the whole graph's, and change nothing
+    from loopprobe.estimate import sensitivity
+
+    R = 3
+    model = make(ForLoopModel, seed=0, K=2, R=R)
+    x, target = randn(3, 5, seed=1), randn(3, 5, seed=7)
+    probe = lp.attach(model)
+
+    def loss(out, inp):
+        return ((out - target) ** 2).sum()
+
+    ref = lp.visit_alignment(probe, x, loss, tol=1e-10)
+    reads: list[tuple[float, float]] = []
+    real = sensitivity_runs.cross_norms
+    tied = len(ref.sensitivity.visits)  # operators from here on are the tied ones
+
+    def spy(jac, masks, vectors, rows, cols, chunk_size, ranks, known=None, groups=None):
+        pairs = [p for p in zip(rows, cols, strict=True) if p in (known or {}) and p[0] >= tied]
+        if pairs:  # each read against the same product on the whole graph
+            fresh = real(jac, masks, vectors, [b for b, _ in pairs], [c for _, c in pairs],
+                         chunk_size, ranks)  # fmt: skip
+            reads.extend(zip((known[p] for p in pairs), fresh, strict=True))
+        return real(jac, masks, vectors, rows, cols, chunk_size, ranks, known, groups)
+
+    monkeypatch.setattr(sensitivity_runs, "cross_norms", spy)
+    restricted_copies.clear()
+    warm = lp.visit_alignment(probe, x, loss, tol=1e-6, start=ref)
+    assert warm.converged, warm.reason
+    assert len(reads) == 2 * R  # both sublayers' tied operators on each of their visits
+    for cached, fresh in reads:
+        assert cached == pytest.approx(fresh, rel=1e-12, abs=0)
+    assert restricted_copies.count(R) == 2  # the two tied runs' copies, no more
+    monkeypatch.setattr(sensitivity, "tied_on_visits", lambda *a, **k: {})
+    restricted_copies.clear()
+    again = lp.visit_alignment(probe, x, loss, tol=1e-6, start=ref)
+    assert restricted_copies.count(R) == 4  # beaten builds the tied copies again
+    assert (again.kappa, again.kappa_lo, again.kappa_hi) == (
+        warm.kappa, warm.kappa_lo, warm.kappa_hi
+    )

@@ -49,6 +49,8 @@ from loopprobe.estimate.sensitivity_runs import (  # noqa: F401 - default_tol: p
     outside_reads,
     precision_note,
     repair_tops,
+    still_valid,
+    tied_on_visits,
     visits_on_tied,
 )
 from loopprobe.estimate.sensitivity_starts import WARM_VISITS_N, _phases, _start, _warm_start
@@ -285,20 +287,26 @@ def sensitivity_norms(
         call=call, ranks=ranks, basis=basis, stop=stop, state=state,
     )  # fmt: skip
 
-    def run(rows: list[int]) -> list[Estimate]:  # in groups whose Krylov bases fit
+    made: dict = {}  # the first cross-check's tied rows, made on the tied runs' copies
+
+    def run(rows: list[int], first: bool = False) -> list[Estimate]:  # groups that fit
         out: dict[int, Estimate] = {}
         for ks, part in _product_groups(visits, ops, rows, narrow):
             sub, sub_masks = graph_copy(jac, masks, ks)  # the whole graph waits meanwhile
             for at in range(0, len(part), group):
                 g = part[at : at + group]
                 out.update(zip(g, estimate(sub, sub_masks[g], v0[g], vectors, g), strict=True))
+            if first and sub is not jac:  # the visits ran before: their vectors are final
+                est = {**found, **out}
+                made.update(tied_on_visits(sub, sub_masks, visits, keys, vectors, est, part,
+                                           eps, chunk_size, ranks))  # fmt: skip
             del sub  # its VJP graph
         return [out[b] for b in rows]
 
     found: dict[int, Estimate] = {}
     for phase in phases:  # each from the top vectors of the phases before it
         _warm_start(phase, visits, keys, found, vectors, v0)
-        found.update(zip(phase, run(phase), strict=True))
+        found.update(zip(phase, run(phase, first=True), strict=True))
     again = torch.Generator(device=gen.device).manual_seed(gen.initial_seed() + 1)
     n_of = [jac.n[ks[0]] for ks in ops]
     groups = partial(_product_groups, visits, ops, narrow=narrow)
@@ -307,9 +315,10 @@ def sensitivity_norms(
     second_starts(run, v0, vectors, found, tops, n_of, again, ranks)
     near = {visits[b].j for b in tops}  # sublayers with a cluster seen: neighbours too
 
-    def check() -> dict:  # the first reads the products on the tied vectors (still theirs)
+    def check() -> dict:  # the first reads the products made before (on vectors still theirs)
+        known = {**on_tied.pop(), **still_valid(made, vectors)} if on_tied else None
         return beaten(jac, masks, visits, keys, vectors, found, eps, chunk_size, ranks, near,
-                      on_tied.pop() if on_tied else None, groups)  # fmt: skip
+                      known, groups)  # fmt: skip
 
     def unmet() -> list[int]:  # operators the stopping rule would not stop now
         if stop is None:

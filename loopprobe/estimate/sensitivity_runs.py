@@ -171,10 +171,7 @@ def beaten(
         # holds the exact norm whatever the tied run found (the triangle inequality); where
         # a cluster is seen the tied operator is checked anyway: its repair from a visit's
         # vector is what makes the family consistent there
-        own = norm_bounds(found[t].value, found[t].residual, eps)[1]
-        tied_own = j in near or own < sum(
-            norm_bounds(found[b].value, found[b].residual, eps)[1] for b in mine
-        )
+        tied_own = j in near or own_end_in_use(found, t, mine, eps)
         for b in mine:
             rows += [t, b] if tied_own else [b]
             cols += [b, t] if tied_own else [t]
@@ -193,6 +190,37 @@ def beaten(
         if value > hi * (1 + rounding_slack(eps)) and value > out.get(b, (0.0, -1))[0]:
             out[b] = (value, c)
     return {b: c for b, (_, c) in out.items()}
+
+
+def own_end_in_use(found, t, mine, eps: float) -> bool:
+    """The tied operator t's own upper end is below the sum of its visits' (``mine``), so
+    kappa's interval uses it (:func:`~loopprobe.estimate.kappa_bounds.tied_top`) and
+    :func:`beaten` checks it on its visits' vectors."""
+    own = norm_bounds(found[t].value, found[t].residual, eps)[1]
+    return own < sum(norm_bounds(found[b].value, found[b].residual, eps)[1] for b in mine)
+
+
+def tied_on_visits(sub, sub_masks, visits, keys, vectors, found, part, eps, chunk_size, ranks):
+    """``{(t, b): (||A_t v_b||^2, v_b)}``: each tied operator t of ``part`` whose own upper end
+    is in use (:func:`own_end_in_use`) applied to its visits' unit top vectors, on the copy
+    of the graph its Lanczos run has just used (``sub``, ``sub_masks``), the products the
+    first :func:`beaten` asks for, made before the copy is dropped rather than on a copy of
+    its own; each with the vector it was made on (a second start may change it since)."""
+    pairs = []
+    for t, mine in tied_families(keys, visits):
+        if t in part and own_end_in_use(found, t, mine, eps):
+            pairs += [(t, b) for b in mine]
+    if not pairs:
+        return {}
+    rows, cols = [t for t, _ in pairs], [b for _, b in pairs]
+    sq = cross_norms(sub, sub_masks, vectors, rows, cols, chunk_size, ranks)
+    return {p: (x, vectors[p[1]].clone()) for p, x in zip(pairs, sq, strict=True)}
+
+
+def still_valid(made: dict, vectors) -> dict:
+    """The products of :func:`tied_on_visits` whose visit vector is still the one they were
+    made on, as ``{(t, b): ||A_t v_b||^2}`` (the ``known`` of :func:`beaten`)."""
+    return {p: x for p, (x, v) in made.items() if torch.equal(vectors[p[1]], v)}
 
 
 def repair_tops(run, v0, vectors, found, check, unmet=None) -> list[int]:
