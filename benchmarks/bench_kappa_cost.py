@@ -25,12 +25,13 @@ not.
 
 ``--floor`` times, in the same process, the same kappa started from the converged top
 vectors of the same weights (a kappa to ``tol/100`` made first, untimed; printed as ``floor``
-with its products, and in brackets the steps of it the cluster cross-check took,
-``visits_on_tied`` and ``beaten``; the first kappa's are printed as ``cross-check``; then the
-training step's CPU time): what a
-kappa costs when no start has to be found, one product per operator plus the fixed work (the
-cross-check, the copies of the graph, the forward check, G). The cold kappa's excess over it
-is the price of finding the top vectors.
+with its products, and in brackets the steps of it the cluster cross-check took:
+``visits_on_tied``, ``beaten`` and ``tied_on_visits``, the tied rows the first ``beaten``
+reads, made on the tied runs' copies since 5ad746e; the first kappa's cross-check is printed
+as ``cross-check``; then the training step's CPU time): what a kappa costs when no start has
+to be found, one product per operator plus the fixed work (the cross-check, the copies of
+the graph, the forward check, G). The cold kappa's excess over it is the price of finding
+the top vectors.
 
 ``--repeats N`` alternates the trees N times per case and prints the median steps: on this
 2-core machine one run's steps move by 10-25 % with the other core's load, more than a change
@@ -80,7 +81,7 @@ if floor:  # time the cluster cross-check (its functions, where the tree has the
             finally:
                 spent[0] += time.process_time() - t
         return g
-    for name in ("visits_on_tied", "beaten"):
+    for name in ("visits_on_tied", "beaten", "tied_on_visits"):
         if hasattr(S, name):
             setattr(S, name, timed(getattr(S, name)))
 t = time.process_time()
