@@ -16,8 +16,9 @@ ratio, and the largest relative difference of the squared norms. ``--at N``: the
 first trains N AdamW steps (lr 1e-3).
 
 ``--what rows``: what one product (a JVP by reverse over reverse and a VJP) costs per row as
-a vmapped call carries 1, 4 and 16 rows, on the narrowed copies of visit numbers R-1 and 0
-(min of 3 after a warm-up): whether fewer rows or fewer calls is what saves.
+a vmapped call carries 1, 4 and 16 rows, on the narrowed copy of each visit number, R-1 down
+to 0 (min of 3 after a warm-up): whether fewer rows or fewer calls is what saves, and what a
+row costs at each depth.
 
     nice -n 19 .venv/bin/python benchmarks/bench_kappa_cross.py --R 4,8
 """
@@ -80,8 +81,8 @@ def compare(jac, masks, vectors, pairs, groups, repeats: int) -> tuple[float, fl
 
 
 def rows(jac, visits, R: int) -> None:
-    """CPU ms per row of one product on the copies of visit numbers R-1 and 0."""
-    for r in (R - 1, 0):
+    """CPU ms per row of one product on the copy of each visit number."""
+    for r in range(R - 1, -1, -1):
         ks = [k for k, v in enumerate(visits) if v.r == r]
         jac.release()
         sub = jac.restricted(ks)
